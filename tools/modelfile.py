@@ -1,0 +1,196 @@
+"""Loading a user's model file: the KernelBench convention, plus optional named workloads.
+
+A model file defines:
+
+- `class Model(nn.Module)`;
+- `get_init_inputs()` -> list of positional arguments for `Model(...)`;
+- `get_inputs()` -> list of positional arguments for `Model.forward`;
+- optionally `get_workloads()` -> {name: {"inputs": [...], "weight": float}} (or a list of
+  dicts with a "name" key); the metric is then the weighted latency over them.
+
+Any failure becomes a `ModelFileError` that names the file and says what went wrong in one
+line, so the CLI can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+MODULE_PREFIX = "nightshift_model_"
+
+
+class ModelFileError(Exception):
+    """A model file that cannot be used, with a one-line reason naming the file."""
+
+
+@dataclass
+class WorkloadInputs:
+    name: str
+    inputs: list[Any]
+    weight: float = 1.0
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    module: ModuleType
+    model: torch.nn.Module
+    workloads: list[WorkloadInputs]
+    file_hash: str
+    init_inputs: list[Any] = field(default_factory=list)
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def module_name_for(path: Path) -> str:
+    """A stable module name per file content, so the sandbox can import the same classes."""
+    return MODULE_PREFIX + file_sha256(path)[:16]
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """`line N` of the deepest frame inside the model file, if any."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    return f" (line {frames[-1].lineno})" if frames else ""
+
+
+def import_model_file(path: str | Path) -> ModuleType:
+    path = Path(path).resolve()
+    if not path.exists():
+        raise ModelFileError(f"{path}: model file not found")
+    if not path.is_file() or path.suffix != ".py":
+        raise ModelFileError(f"{path}: a model file must be a Python (.py) file")
+    name = module_name_for(path)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered before exec so classes pickle and dataclasses resolve their module.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        del sys.modules[name]
+        raise ModelFileError(f"{path}: syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:
+        del sys.modules[name]
+        raise ModelFileError(f"{path}: importing it raised {type(e).__name__}: {e}{_where(e, path)}") from None
+    for attr in ("Model", "get_init_inputs", "get_inputs"):
+        if not hasattr(module, attr):
+            del sys.modules[name]
+            raise ModelFileError(
+                f"{path}: missing `{attr}` (a model file defines Model, get_init_inputs() and "
+                "get_inputs(), as in KernelBench)")
+    if not (isinstance(module.Model, type) and issubclass(module.Model, torch.nn.Module)):
+        del sys.modules[name]
+        raise ModelFileError(f"{path}: `Model` must be a torch.nn.Module subclass")
+    return module
+
+
+def _call(path: Path, what: str, fn, *args):
+    try:
+        return fn(*args)
+    except ModelFileError:
+        raise
+    except Exception as e:
+        raise ModelFileError(f"{path}: {what} raised {type(e).__name__}: {e}{_where(e, path)}") from None
+
+
+def _as_list(path: Path, what: str, value: Any) -> list[Any]:
+    if isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, list):
+        raise ModelFileError(f"{path}: {what} must return a list, got {type(value).__name__}")
+    return value
+
+
+def _workloads(path: Path, module: ModuleType) -> list[WorkloadInputs]:
+    if not hasattr(module, "get_workloads"):
+        inputs = _as_list(path, "get_inputs()", _call(path, "get_inputs()", module.get_inputs))
+        return [WorkloadInputs("default", inputs, 1.0)]
+    raw = _call(path, "get_workloads()", module.get_workloads)
+    items = list(raw.items()) if isinstance(raw, dict) else [(w.get("name"), w) for w in raw or []]
+    if not items:
+        raise ModelFileError(f"{path}: get_workloads() returned no workloads")
+    out = []
+    for name, spec in items:
+        if not isinstance(spec, dict) or "inputs" not in spec or not name:
+            raise ModelFileError(
+                f"{path}: each workload needs a name and an 'inputs' list, got {spec!r:.80}")
+        weight = spec.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ModelFileError(f"{path}: workload {name!r} has weight {weight!r}; "
+                                 "weights must be finite and non-negative")
+        out.append(WorkloadInputs(str(name), _as_list(path, f"workload {name!r} inputs", spec["inputs"]),
+                                  float(weight)))
+    if sum(w.weight for w in out) <= 0:
+        raise ModelFileError(f"{path}: workload weights are all zero")
+    return out
+
+
+def tensors_in(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload: str | None = None,
+               check_forward: bool = True) -> LoadedModel:
+    """Import the file, build the model on `device`, collect its workloads and run one
+    forward pass per workload so that a model that raises fails here, with a clear message."""
+    path = Path(path).resolve()
+    device = torch.device(device)
+    module = import_model_file(path)
+    init_inputs = _as_list(path, "get_init_inputs()", _call(path, "get_init_inputs()", module.get_init_inputs))
+    model = _call(path, "Model(*get_init_inputs())", module.Model, *init_inputs)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(f"{path}: Model(...) did not return a torch.nn.Module")
+    model = _call(path, f"moving the model to {device}", model.to, device).eval()
+    workloads = _workloads(path, module)
+    if workload is not None:
+        names = [w.name for w in workloads]
+        workloads = [w for w in workloads if w.name == workload]
+        if not workloads:
+            raise ModelFileError(f"{path}: no workload named {workload!r} (has: {', '.join(names)})")
+    model_devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    for w in workloads:
+        for t in tensors_in(w.inputs):
+            if t.device.type not in ("cpu", device.type):
+                raise ModelFileError(
+                    f"{path}: workload {w.name!r} makes inputs on {t.device}, but the run is on "
+                    f"{device}; create inputs on the CPU (they are moved for you)")
+        w.inputs = to_device(w.inputs, device)
+    if model_devices - {device} and any(d.type != device.type for d in model_devices):
+        raise ModelFileError(f"{path}: the model keeps tensors on {sorted(map(str, model_devices))} "
+                             f"after .to({device}); register them as parameters or buffers")
+    if check_forward:
+        with torch.no_grad():
+            for w in workloads:
+                _call(path, f"Model.forward on workload {w.name!r}", model, *w.inputs)
+    return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs)
