@@ -120,7 +120,11 @@ def _workloads(path: Path, module: ModuleType) -> list[WorkloadInputs]:
         inputs = _as_list(path, "get_inputs()", _call(path, "get_inputs()", module.get_inputs))
         return [WorkloadInputs("default", inputs, 1.0)]
     raw = _call(path, "get_workloads()", module.get_workloads)
-    items = list(raw.items()) if isinstance(raw, dict) else [(w.get("name"), w) for w in raw or []]
+    if raw is not None and not isinstance(raw, (dict, list, tuple)):
+        raise ModelFileError(f"{path}: get_workloads() must return a dict or a list, got {type(raw).__name__}")
+    # A non-dict item gets no name here and is rejected with the message below.
+    items = list(raw.items()) if isinstance(raw, dict) else [
+        (w.get("name") if isinstance(w, dict) else None, w) for w in raw or []]
     if not items:
         raise ModelFileError(f"{path}: get_workloads() returned no workloads")
     out = []

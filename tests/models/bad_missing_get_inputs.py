@@ -1,0 +1,12 @@
+"""Bad: no get_inputs()."""
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def get_init_inputs():
+    return []
