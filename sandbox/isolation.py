@@ -1,0 +1,86 @@
+"""What the worker does to itself before any candidate runs, and the environment it gets.
+
+Each measure that the OS refuses is reported, not fatal: the worker's hello message says
+which protections are in force, and `agent try --json` shows it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import resource
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+
+# Only these reach a worker; everything else (API keys, cloud credentials, tokens) stays out.
+ENV_ALLOW = re.compile(
+    r"^(PATH|LANG|LC_[A-Z]+|TZ|PYTHONPATH|PYTHONHASHSEED|LD_LIBRARY_PATH|CUDA_HOME|CUDA_PATH|"
+    r"ROCM_PATH|HIP_PATH|TRITON_[A-Z_]+|NCCL_[A-Z_]+|TORCH_[A-Z_]+|NVSHMEM_[A-Z_]+|"
+    r"OMP_NUM_THREADS|MKL_NUM_THREADS|OPENBLAS_[A-Z_]+|NVIDIA_[A-Z_]+)$")
+SECRET_HINT = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
+def worker_env(base: dict[str, str], workdir: str, visible_device: str | None) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if ENV_ALLOW.match(k) and not SECRET_HINT.search(k)}
+    env.update(HOME=workdir, TMPDIR=workdir, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+    if visible_device is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = visible_device
+        env["HIP_VISIBLE_DEVICES"] = visible_device
+    return env
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent(parent_pid: int) -> str:
+    if not sys.platform.startswith("linux"):
+        return "not available on this OS"
+    if _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return f"prctl failed (errno {ctypes.get_errno()})"
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+    return "on"
+
+
+def limit_resources(memory_bytes: int | None, max_file_bytes: int = 4 << 30) -> dict[str, str]:
+    done = {}
+    for name, rlim, value in (("core", resource.RLIMIT_CORE, 0),
+                              ("file_size", resource.RLIMIT_FSIZE, max_file_bytes),
+                              ("address_space", resource.RLIMIT_AS, memory_bytes)):
+        if value is None:
+            done[name] = "unlimited"
+            continue
+        try:
+            resource.setrlimit(rlim, (value, value))
+            done[name] = str(value)
+        except (ValueError, OSError) as e:
+            done[name] = f"not set ({e})"
+    return done
+
+
+def drop_network() -> str:
+    """Move into an empty network namespace: no interface but a down loopback."""
+    if not sys.platform.startswith("linux"):
+        return "not isolated (not Linux)"
+    libc = _libc()
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return "isolated (new network namespace)"
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        try:
+            for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
+                               ("/proc/self/gid_map", f"{gid} {gid} 1")):
+                with open(path, "w") as f:
+                    f.write(text)
+        except OSError:
+            pass
+        return "isolated (user + network namespace)"
+    return f"not isolated (unshare refused: errno {ctypes.get_errno()})"

@@ -1,0 +1,349 @@
+"""The sandbox worker: the only process where candidate code runs.
+
+Started by `sandbox.client.Worker` as `python -m sandbox.worker`, pinned to one device. It
+answers requests over a socket (see `protocol`): register a problem, load a candidate,
+run it for verification, time it against the original region, release it.
+
+What is isolated:
+- the tuner: separate process in its own process group, killed by the parent's death
+  (PR_SET_PDEATHSIG); every message it sends is JSON plus tensors loaded with
+  `weights_only=True`, so it cannot run code in the tuner;
+- secrets: the environment is rebuilt from an allow-list (no API keys, no tokens);
+- the network: an empty network namespace where the OS allows one (reported in `hello`);
+- resources: no core dumps, capped file size, capped address space on CPU workers, a GPU
+  memory fraction on GPU workers; timeouts and crashes are handled by the parent, which
+  kills the process group and starts a fresh worker.
+
+What is NOT isolated, said plainly:
+- the filesystem: the worker runs as the same user in a private temporary directory, but
+  can read what that user can, including the run folder's frozen reference outputs. That
+  is why the parent also checks fresh random inputs that exist only in memory;
+- the worker's own memory: candidate code can patch torch or this module. We snapshot the
+  identity of torch's and the harness's functions before any candidate and flag changes,
+  and the parent cross-checks reported times with its wall clock, but a determined
+  adversary with code execution here could still lie about timings. Winners are re-timed
+  in fresh workers by the loop and end to end by integration for that reason;
+- the GPU: shared with the other workers' device-time lock holder only by the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib.util
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+from sandbox import isolation, protocol
+
+FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
+              "CUDA error", "misaligned address", "CUBLAS_STATUS_EXECUTION_FAILED", "HIP error")
+
+
+class Failure(Exception):
+    """A candidate failed in a way that has a trial status; `fatal` means the process is spoiled."""
+
+    def __init__(self, status: str, error: str, fatal: bool = False):
+        super().__init__(error)
+        self.status, self.error, self.fatal = status, error, fatal
+
+
+def classify(exc: BaseException, phase: str) -> Failure:
+    import torch
+    text = "".join(traceback.format_exception(exc, limit=-6))[-4000:]
+    msg = str(exc)
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in msg:
+        return Failure("oom", text)
+    if any(s in msg for s in FATAL_CUDA):
+        return Failure("crash", text, fatal=True)
+    if phase == "load" or type(exc).__module__.startswith("triton.compiler"):
+        return Failure("compile_error", text)
+    return Failure("runtime_error", text)
+
+
+def integrity_snapshot(classes: list[type]) -> dict[str, int]:
+    """Identity of every function a candidate could patch to fake a result or a timing."""
+    import torch
+    import torch.nn.functional as F
+    from tools import timing
+    spaces = {"torch": torch, "F": F, "Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase,
+              "Module": torch.nn.Module, "cuda": torch.cuda, "VF": torch._C._VariableFunctions,
+              "nn": torch._C._nn, "timing": timing, "time": time}
+    spaces.update({f"{c.__module__}.{c.__qualname__}": c for c in classes})
+    snap = {}
+    for label, space in spaces.items():
+        raw = getattr(space, "__dict__", None)
+        # The raw namespace where there is one: bound methods are new objects on every access.
+        names = dict(raw) if raw is not None else {n: getattr(space, n, None) for n in dir(space)
+                                                  if not n.startswith("__")}
+        for name, value in names.items():
+            if not name.startswith("__") or name in ("__call__", "__init__", "__getattr__"):
+                snap[f"{label}.{name}"] = id(value)
+    return snap
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, device_kind: str):
+        import torch
+        self.torch = torch
+        self.sock = sock
+        self.device = torch.device("cuda:0" if device_kind == "cuda" else "cpu")
+        self.problems: dict[str, dict] = {}
+        self.candidate: dict | None = None
+        self.candidates_run = 0
+        self.workdir = os.getcwd()
+        self.snapshot: dict[str, int] = {}
+        self.region_classes: set[type] = set()
+
+    # -- requests ----------------------------------------------------------------------
+    def op_problem(self, req: dict, tensors: Any) -> tuple[dict, Any]:
+        """Register a problem; run the original region on the parent's fresh inputs."""
+        torch = self.torch
+        from tools.region import build_region, call_args
+        if self.candidates_run:
+            return {"ok": False, "error": "worker has run candidate code; fresh references need a fresh worker"}, None
+        state = torch.load(req["state_path"], weights_only=True, map_location="cpu")
+        inputs = torch.load(req["inputs_path"], weights_only=True, map_location="cpu")
+        region = build_region(req["model_file"], req["region_path"], state, self.device)
+        cls = type(region)
+        p = {"region": region, "forward": cls.forward, "inputs": inputs, "fresh": tensors["fresh"]}
+        self.problems[req["name"]] = p
+        fresh_ref = []
+        with torch.no_grad():
+            for s in p["fresh"]:
+                args, kwargs = call_args(s, self.device)
+                fresh_ref.append(_plain(p["forward"](region, *args, **kwargs)))
+        self.region_classes |= {type(m) for m in region.modules()}
+        self.snapshot = integrity_snapshot(sorted(self.region_classes, key=lambda c: c.__qualname__))
+        return {"ok": True}, {"fresh_ref": fresh_ref}
+
+    def op_load(self, req: dict, _: Any) -> tuple[dict, Any]:
+        self.release()
+        self.candidates_run += 1
+        p = self.problems[req["problem"]]
+        path = os.path.join(self.workdir, f"candidate_{req['hash']}.py")
+        with open(path, "w") as f:
+            f.write(req["source"])  # Triton reads kernel source through inspect, so it needs a file
+        t0 = time.perf_counter()
+        try:
+            spec = importlib.util.spec_from_file_location(f"candidate_{req['hash']}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            fwd = getattr(mod, "forward", None)
+            if not callable(fwd):
+                raise Failure("compile_error", "the candidate defines no callable `forward(module, *inputs)`")
+        except Failure:
+            raise
+        except BaseException as e:  # SystemExit from candidate code counts as a failure too
+            raise classify(e, "load")
+        module = copy.deepcopy(p["region"])
+        self.candidate = {"forward": fwd, "module": module, "problem": req["problem"]}
+        # First call compiles the Triton kernels; it has the compile timeout, not the run one.
+        from tools.region import call_args
+        args, kwargs = call_args(p["inputs"][0], self.device)
+        self._call(lambda: fwd(module, *args, **kwargs), "warm")
+        self._sync()
+        return {"ok": True, "compile_s": time.perf_counter() - t0}, None
+
+    def op_verify(self, req: dict, _: Any) -> tuple[dict, Any]:
+        torch = self.torch
+        from tools.problem import tensor_hash
+        from tools.region import call_args, flatten
+        c, p = self.candidate, self.problems[self.candidate["problem"]]
+        fwd, module = c["forward"], c["module"]
+        runs: dict[str, list] = {"a": [], "b": [], "fresh": []}
+        meta, input_hashes, fresh_hashes = [], [], []
+        for key, sets in (("a", p["inputs"]), ("b", p["inputs"]), ("fresh", p["fresh"])):
+            for s in sets:
+                args, kwargs = call_args(s, self.device)
+                poison = key == "a"
+                self._poison(float("nan") if poison else 7777.0)
+                with _fill_uninitialized(torch, poison):
+                    out = self._call(lambda: fwd(module, *args, **kwargs), "run")
+                    # Copied on the current stream at once: work left on a side stream is a race here.
+                    leaves, structure = flatten(out)
+                    snap = [t.clone() if isinstance(t, torch.Tensor) else None for t in leaves]
+                self._sync()
+                runs[key].append([None if t is None else t.detach().contiguous().cpu() for t in snap])
+                if key == "a":
+                    meta.append({"structure": structure, "outputs": [_describe(t) for t in leaves]})
+                (input_hashes if key != "fresh" else fresh_hashes).append(
+                    tensor_hash({"args": args, "kwargs": kwargs}))
+        orig, now = _tensors_map(p["region"]), _tensors_map(module)
+        changed = [n for n in orig if n not in now or not torch.equal(now[n], orig[n])]
+        tampered = self._tampered()
+        return ({"meta": meta, "input_hashes": input_hashes, "fresh_input_hashes": fresh_hashes,
+                 "params_changed": changed, "tampered": tampered}, runs)
+
+    def op_time(self, req: dict, _: Any) -> tuple[dict, Any]:
+        torch = self.torch
+        from tools.region import call_args
+        from tools.timing import time_pair
+        c, p = self.candidate, self.problems[self.candidate["problem"]]
+        fwd, module, orig, region = c["forward"], c["module"], p["forward"], p["region"]
+        out = []
+        for i in req["sets"]:
+            a_args, a_kw = call_args(p["inputs"][i], self.device)
+            b_args, b_kw = call_args(p["inputs"][i], self.device)
+            with torch.no_grad():
+                base, cand = time_pair(lambda: orig(region, *a_args, **a_kw),
+                                       lambda: self._call(lambda: fwd(module, *b_args, **b_kw), "run"),
+                                       self.device, budget_ms=req.get("budget_ms", 400.0),
+                                       max_reps=req.get("max_reps", 200))
+            out.append({"set": i, "baseline": _stats_dict(base), "candidate": _stats_dict(cand)})
+        return {"timings": out, "tampered": self._tampered(),
+                "timing_kind": "cuda" if self.device.type == "cuda" else "cpu"}, None
+
+    # -- helpers -----------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any], phase: str) -> Any:
+        try:
+            with self.torch.no_grad():
+                return fn()
+        except Failure:
+            raise
+        except BaseException as e:
+            raise classify(e, phase)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            try:
+                self.torch.cuda.synchronize()
+            except BaseException as e:
+                raise classify(e, "run")
+
+    def _poison(self, value: float) -> None:
+        """Fill freed device memory so outputs never written keep this value, not old data."""
+        torch = self.torch
+        if self.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info()
+        block = torch.empty(min(free // 4, 1 << 30) // 4, dtype=torch.float32, device=self.device)
+        block.fill_(value)
+        del block
+
+    def _tampered(self) -> list[str]:
+        now = integrity_snapshot(sorted(self.region_classes, key=lambda c: c.__qualname__))
+        return sorted(k for k, v in self.snapshot.items() if now.get(k) != v)[:20]
+
+    def release(self) -> None:
+        self.candidate = None
+        gc.collect()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
+
+    def serve(self) -> None:
+        handlers = {"problem": self.op_problem, "load": self.op_load, "verify": self.op_verify,
+                    "time": self.op_time}
+        while True:
+            try:
+                req, tensors = protocol.recv(self.sock)
+            except protocol.ChannelClosed:
+                return
+            op = req.get("op")
+            if op == "exit":
+                return
+            if op == "release":
+                self.release()
+                protocol.send(self.sock, {"ok": True})
+                continue
+            try:
+                header, payload = handlers[op](req, tensors)
+            except Failure as f:
+                protocol.send(self.sock, {"ok": False, "status": f.status, "error": f.error, "fatal": f.fatal})
+                if f.fatal:
+                    os._exit(3)  # a sticky device error spoils the process: the parent starts a new one
+                continue
+            except BaseException as e:
+                f = classify(e, "run")
+                protocol.send(self.sock, {"ok": False, "status": f.status, "error": f.error, "fatal": f.fatal})
+                if f.fatal:
+                    os._exit(3)
+                continue
+            protocol.send(self.sock, {"ok": True, **header} if "ok" not in header else header, payload)
+
+
+class _fill_uninitialized:
+    """torch.empty returns NaN-filled memory while active (deterministic mode's fill)."""
+
+    def __init__(self, torch, on: bool):
+        self.torch, self.on = torch, on
+
+    def __enter__(self):
+        if self.on:
+            warnings.filterwarnings("ignore")
+            self.torch.use_deterministic_algorithms(True, warn_only=True)
+            self.torch.utils.deterministic.fill_uninitialized_memory = True
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.torch.use_deterministic_algorithms(False)
+
+
+def _plain(out: Any) -> list:
+    from tools.region import flatten
+    leaves, _ = flatten(out)
+    return [None if t is None else t.detach().contiguous().cpu() for t in leaves]
+
+
+def _describe(t: Any) -> dict:
+    import torch
+    if t is None:
+        return {"kind": "none"}
+    if type(t) is not torch.Tensor:
+        return {"kind": type(t).__name__}
+    return {"kind": "tensor", "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "device": t.device.type, "stride": list(t.stride())}
+
+
+def _tensors_map(m) -> dict:
+    return dict(list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)))
+
+
+def _stats_dict(s) -> dict:
+    return {"median_ms": s.median_ms, "p20_ms": s.p20_ms, "p80_ms": s.p80_ms, "reps": s.reps,
+            "hidden_ms": s.hidden_ms, "spread": s.spread}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--memory-gb", type=float, default=0)
+    ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    args = ap.parse_args()
+    report = {"parent_death": isolation.die_with_parent(args.parent), "network": isolation.drop_network()}
+    mem = int(args.memory_gb * (1 << 30)) if args.memory_gb and args.device == "cpu" else None
+    report["limits"] = isolation.limit_resources(mem)
+    sock = socket.socket(fileno=args.fd)
+    import torch
+    hello = {"op": "hello", "pid": os.getpid(), "isolation": report, "device": args.device,
+             "torch": torch.__version__}
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            protocol.send(sock, {**hello, "ok": False, "error": "CUDA is not available in the worker"})
+            return
+        torch.cuda.set_per_process_memory_fraction(args.gpu_memory_fraction)
+        props = torch.cuda.get_device_properties(0)
+        hello.update(device_name=props.name, generation=f"sm{props.major}{props.minor}")
+    else:
+        hello.update(device_name="cpu", generation="cpu")
+    try:
+        import triton
+        hello["triton"] = triton.__version__
+    except Exception as e:
+        hello["triton"] = f"unavailable ({e})"
+    protocol.send(sock, {**hello, "ok": True})
+    Worker(sock, args.device).serve()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

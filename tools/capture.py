@@ -1,0 +1,189 @@
+"""Freezing problems: real inputs and today's outputs of chosen regions, written to disk.
+
+For each chosen module class, the first instance in the model is the representative: a
+forward hook records the inputs of its first call in every workload and the outputs the
+current code gives for them. The region is then rebuilt on its own from the model file and
+its frozen state and must reproduce those outputs; a region that does not (it depends on
+state outside itself) is skipped with the reason, since no candidate could be judged on it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tools.modelfile import LoadedModel, file_sha256, tensors_in
+from tools.problem import Problem, StopRule, TensorSpec, Tolerance, Workload, default_tolerance, tensor_hash
+from tools.region import build_region, call_args, flatten, module_state, scalar_attributes
+from tools.verify import diff
+
+
+@dataclass
+class RegionChoice:
+    """A class picked from the profile, with what the profile knows about it."""
+
+    class_name: str
+    share: float = 0.0
+    top_kernels: tuple[str, ...] = ()
+    baseline_ms: dict[str, float] | None = None
+
+
+@dataclass
+class Skipped:
+    class_name: str
+    reason: str
+
+
+def _detach_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detach_cpu(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _detach_cpu(v) for k, v in x.items()}
+    return x
+
+
+def instances_of(model: torch.nn.Module, class_name: str) -> list[str]:
+    return [p for p, m in model.named_modules() if type(m).__qualname__ == class_name]
+
+
+def _capture(loaded: LoadedModel, path: str) -> tuple[list[dict], list[Any], dict[str, int]]:
+    module = loaded.model.get_submodule(path)
+    seen: dict[str, Any] = {}
+    calls = {"n": 0}
+
+    def hook(_m, args, kwargs, output):
+        calls["n"] += 1
+        if "rec" not in seen:
+            seen["rec"] = ({"args": _detach_cpu(list(args)), "kwargs": _detach_cpu(dict(kwargs))},
+                           _detach_cpu(output))
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    inputs, outputs, per_forward = [], [], {}
+    try:
+        with torch.no_grad():
+            for w in loaded.workloads:
+                seen.clear()
+                calls["n"] = 0
+                loaded.model(*w.inputs)
+                if "rec" not in seen:
+                    raise RuntimeError(f"{path} is not called in workload {w.name!r}")
+                inputs.append(seen["rec"][0])
+                outputs.append(seen["rec"][1])
+                per_forward[w.name] = calls["n"]
+    finally:
+        handle.remove()
+    return inputs, outputs, per_forward
+
+
+def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: dict, device: torch.device,
+              ceilings: dict | None) -> float:
+    """Lower bound for one call: each input, output and parameter moved once, FLOPs at peak."""
+    if not ceilings:
+        return 0.0
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_in(input_set))
+    nbytes += sum(t.numel() * t.element_size() for t in outputs if t is not None)
+    nbytes += sum(t.numel() * t.element_size() for t in state.values())
+    args, kwargs = call_args(input_set, device)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        region(*args, **kwargs)
+    flops = counter.get_total_flops()
+    return max(nbytes / (ceilings["bandwidth_gbps"] * 1e9), flops / (ceilings["matmul_tflops"] * 1e12)) * 1e3
+
+
+def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, device: torch.device, *,
+           tolerance: Tolerance | None = None, per_region: dict[str, Tolerance] | None = None,
+           stop_rule: StopRule | None = None, targets: list[str] | None = None, device_name: str = "",
+           ceilings: dict | None = None) -> tuple[list[Problem], list[Skipped]]:
+    """Write one problem folder per choice under `folder`; returns (problems, skipped)."""
+    problems, skipped = [], []
+    per_region = per_region or {}
+    model_hash = file_sha256(loaded.path)
+    for choice in choices:
+        paths = instances_of(loaded.model, choice.class_name)
+        if not paths:
+            skipped.append(Skipped(choice.class_name, "no module of this class in the model"))
+            continue
+        rep = paths[0]
+        module = loaded.model.get_submodule(rep)
+        try:
+            inputs, raw_outputs, calls = _capture(loaded, rep)
+        except RuntimeError as e:
+            skipped.append(Skipped(choice.class_name, str(e)))
+            continue
+        flat = [flatten(o) for o in raw_outputs]
+        if any(s.startswith("?") or "?" in s for _, s in flat):
+            skipped.append(Skipped(choice.class_name, f"returns something other than tensors ({flat[0][1]})"))
+            continue
+        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in flat[0][0]):
+            skipped.append(Skipped(choice.class_name, "has no floating-point output to compare"))
+            continue
+        state = module_state(module)
+        reference = [{"structure": s, "outputs": outs} for outs, s in flat]
+        # The region alone, rebuilt from the file and the frozen state, must give the same outputs.
+        try:
+            alone = build_region(loaded.path, rep, state, device)
+            with torch.no_grad():
+                again = [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0] for s in inputs]
+        except Exception as e:
+            skipped.append(Skipped(choice.class_name, f"cannot be rebuilt on its own: {type(e).__name__}: {e}"))
+            continue
+        first = next(t for t in flat[0][0] if isinstance(t, torch.Tensor) and t.is_floating_point())
+        ref_max = max(float(t.abs().max()) for outs, _ in flat for t in outs
+                      if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel())
+        tol, source = default_tolerance(first.dtype, ref_max), "default"
+        if tolerance is not None:
+            tol, source = tolerance, "cli"
+        if choice.class_name in per_region:
+            tol, source = per_region[choice.class_name], "cli (per region)"
+        drift = max(diff([_detach_cpu(t) for t in a], r["outputs"]).error(tol) for a, r in zip(again, reference))
+        if drift > tol.value:
+            skipped.append(Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
+                                   f"by {drift:.3g} (> {tol}): it depends on state outside the module"))
+            continue
+        workloads = []
+        for w, s, (outs, _) in zip(loaded.workloads, inputs, flat):
+            workloads.append(Workload(
+                name=w.name, weight=w.weight, calls_per_forward=calls[w.name],
+                inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(s))],
+                outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None],
+                baseline_ms=(choice.baseline_ms or {}).get(w.name)))
+        name = _folder_name(choice.class_name, [p.name for p in problems])
+        problem = Problem(
+            name=name, region_class=choice.class_name, region_path=rep, instances=paths,
+            region_source=_source(type(module)), model_file=str(loaded.path), model_hash=model_hash,
+            init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
+            parameters=[TensorSpec.of(n, t) for n, t in state.items()],
+            attributes=scalar_attributes(module), children={n: type(c).__qualname__ for n, c in module.named_children()},
+            workloads=workloads, tolerance=tol, tolerance_source=source,
+            metric="weighted_latency" if len(workloads) > 1 else "latency",
+            target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
+            share_of_model=choice.share, top_kernels=list(choice.top_kernels),
+            floor_ms={w.name: _floor_ms(alone, s, outs, state, device, ceilings)
+                      for w, s, (outs, _) in zip(loaded.workloads, inputs, flat)})
+        problem.save(folder / name, inputs, reference, state)
+        problems.append(problem)
+    return problems, skipped
+
+
+def _folder_name(class_name: str, taken: list[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.-]", "_", class_name)
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return f"# source of {cls.__qualname__} not available"

@@ -1,0 +1,108 @@
+"""A region is one module of the model, rebuilt on its own from the model file and its state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tools.modelfile import ModelFileError, _call, _as_list, import_model_file
+
+
+def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, persistent or not, by dotted name, detached on the CPU."""
+    state = {n: p.detach().cpu().clone() for n, p in module.named_parameters(remove_duplicate=False)}
+    state.update({n: b.detach().cpu().clone() for n, b in module.named_buffers(remove_duplicate=False)})
+    return state
+
+
+def scalar_attributes(module: torch.nn.Module) -> dict[str, float | int | bool | str]:
+    """Plain scalar attributes of a module and its direct children (as `child.attr`)."""
+    out: dict[str, Any] = {}
+
+    def take(prefix: str, m: torch.nn.Module) -> None:
+        for k, v in vars(m).items():
+            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str)):
+                out[prefix + k] = v
+
+    take("", module)
+    for name, child in module.named_children():
+        take(f"{name}.", child)
+    return out
+
+
+def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    *parents, leaf = name.split(".")
+    owner = module.get_submodule(".".join(parents)) if parents else module
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    elif leaf in owner._buffers:
+        owner._buffers[leaf] = value
+    else:
+        raise KeyError(name)
+
+
+def build_region(model_file: str | Path, region_path: str, state: dict[str, torch.Tensor],
+                 device: torch.device) -> torch.nn.Module:
+    """Rebuild the module at `region_path` with exactly the frozen `state`.
+
+    The model is built on the meta device (cheap at any size), so only the region's own
+    tensors are ever materialised; if the model cannot be built on meta, it is built on
+    the CPU instead.
+    """
+    path = Path(model_file)
+    mod = import_model_file(path)
+    init_inputs = _as_list(path, "get_init_inputs()", _call(path, "get_init_inputs()", mod.get_init_inputs))
+    try:
+        with torch.device("meta"):
+            model = mod.Model(*init_inputs)
+    except Exception:
+        model = _call(path, "Model(*get_init_inputs())", mod.Model, *init_inputs)
+    try:
+        region = model.get_submodule(region_path) if region_path else model
+    except AttributeError:
+        raise ModelFileError(f"{path}: the model has no module {region_path!r} any more") from None
+    region = region.to_empty(device=device) if _on_meta(region) else region.to(device)
+    own = {n for n, _ in region.named_parameters(remove_duplicate=False)} | {
+        n for n, _ in region.named_buffers(remove_duplicate=False)}
+    if own != set(state):
+        raise ModelFileError(f"{path}: module {region_path!r} no longer has the frozen parameters "
+                             f"(missing {sorted(set(state) - own)[:3]}, new {sorted(own - set(state))[:3]})")
+    for name, value in state.items():
+        _assign(region, name, value.to(device))
+    return region.eval().requires_grad_(False)
+
+
+def _on_meta(m: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+
+
+def flatten(out: Any) -> tuple[list[torch.Tensor | None], str]:
+    """Outputs as a flat list plus a structure string (`T`, `(T,T)`, `[T,N]`, ...)."""
+    if isinstance(out, torch.Tensor):
+        return [out], "T"
+    if out is None:
+        return [None], "N"
+    if isinstance(out, (tuple, list)):
+        leaves, parts = [], []
+        for x in out:
+            sub, s = flatten(x)
+            leaves += sub
+            parts.append(s)
+        brackets = "()" if isinstance(out, tuple) else "[]"
+        return leaves, brackets[0] + ",".join(parts) + brackets[1]
+    return [None], f"?{type(out).__name__}"
+
+
+def call_args(input_set: dict, device: torch.device) -> tuple[list, dict]:
+    """Clone one frozen input set onto `device` (fresh tensors every call)."""
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device, copy=True)
+        if isinstance(x, (list, tuple)):
+            return type(x)(move(v) for v in x)
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return x
+    return move(list(input_set["args"])), move(dict(input_set["kwargs"]))
