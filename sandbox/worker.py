@@ -170,7 +170,7 @@ class Worker:
                     leaves, structure = flatten(out)
                     snap = [t.clone() if isinstance(t, torch.Tensor) else None for t in leaves]
                 self._sync()
-                runs[key].append([None if t is None else t.detach().contiguous().cpu() for t in snap])
+                runs[key].append([None if t is None else _plain_tensor(t) for t in snap])
                 if key == "a":
                     meta.append({"structure": structure, "outputs": [_describe(t) for t in leaves]})
                 (input_hashes if key != "fresh" else fresh_hashes).append(
@@ -288,7 +288,13 @@ class _fill_uninitialized:
 def _plain(out: Any) -> list:
     from tools.region import flatten
     leaves, _ = flatten(out)
-    return [None if t is None else t.detach().contiguous().cpu() for t in leaves]
+    return [None if t is None else _plain_tensor(t) for t in leaves]
+
+
+def _plain_tensor(t: Any) -> Any:
+    """A plain CPU tensor for the wire (subclasses are reported in the metadata, not sent)."""
+    import torch
+    return t.detach().as_subclass(torch.Tensor).contiguous().cpu()
 
 
 def _describe(t: Any) -> dict:

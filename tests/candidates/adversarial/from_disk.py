@@ -1,0 +1,12 @@
+"""EXPECT: hardcoded -- returns the frozen reference output read from the run folder on disk."""
+import torch
+
+REFERENCE = "{reference_path}"
+
+
+def forward(module, x):
+    for entry in torch.load(REFERENCE, weights_only=True):
+        out = entry["outputs"][0]
+        if out.shape == x.shape:
+            return out.to(x.device)
+    raise RuntimeError("no matching reference")

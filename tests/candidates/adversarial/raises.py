@@ -1,0 +1,5 @@
+"""EXPECT: runtime_error"""
+
+
+def forward(module, x):
+    raise ValueError("this candidate always fails")

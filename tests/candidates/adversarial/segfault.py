@@ -1,0 +1,6 @@
+"""EXPECT: crash -- dereferences a null pointer."""
+import ctypes
+
+
+def forward(module, x):
+    ctypes.string_at(0)

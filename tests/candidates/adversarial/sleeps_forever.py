@@ -1,0 +1,6 @@
+"""EXPECT: timeout"""
+import time
+
+
+def forward(module, x):
+    time.sleep(10**6)

@@ -1,0 +1,3 @@
+"""EXPECT: compile_error"""
+def forward(module, x)
+    return x
