@@ -1,0 +1,242 @@
+"""`agent`: the command line. It parses arguments, calls the library, prints, and exits.
+
+Exit codes: 0 success; 1 the verdict was negative (a rejected candidate, a failed check);
+2 bad input (a wrong flag, a broken model file, an invalid budget); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.live import Live
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="nightshift: overnight, accuracy-gated search for faster GPU kernels.")
+out = Console()
+err = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _guard(fn):
+    """Turn the library's user-facing errors into one line and exit code 2."""
+    from functools import wraps
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        from agent.jobs import UserError
+        from tools.modelfile import ModelFileError
+        from tools.problem import ProblemError
+        try:
+            return fn(*args, **kwargs)
+        except (UserError, ModelFileError, ProblemError) as e:
+            _fail(str(e))
+        except ValidationError as e:
+            _fail("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
+    return wrapper
+
+
+def _stop_rule(gpu_hours: float, max_candidates: int, patience: int, max_usd: Optional[float] = None):
+    from tools.problem import StopRule
+    return StopRule(gpu_hours=gpu_hours, max_candidates=max_candidates, patience=patience, max_usd=max_usd)
+
+
+@app.command()
+@_guard
+def doctor(json_out: bool = typer.Option(False, "--json", help="Machine-readable report."),
+           refresh: bool = typer.Option(False, help="Measure the device ceilings again.")):
+    """Check GPUs, versions, Triton, API keys (set or not, never shown) and measure device ceilings."""
+    from agent.doctor import render_doctor, run_doctor
+    report = run_doctor(refresh=refresh)
+    _emit_json(report) if json_out else out.print(render_doctor(report))
+    raise typer.Exit(0 if report["ok"] else 1)
+
+
+@app.command()
+@_guard
+def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelBench convention)."),
+            device: str = typer.Option("auto", help="cuda, cuda:N or cpu (auto: cuda if present)."),
+            workload: Optional[str] = typer.Option(None, help="Profile one named workload only."),
+            runs_dir: Path = typer.Option(Path("runs"), help="Where run folders are created."),
+            tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for every region."),
+            region_tolerance: list[str] = typer.Option([], help="CLASS=abs:VALUE, per region; repeatable."),
+            coverage: float = typer.Option(0.9, help="Freeze the fewest regions covering this share of time."),
+            max_regions: int = typer.Option(8, help="Freeze at most this many regions."),
+            freeze: bool = typer.Option(True, help="Freeze problems for the selected regions."),
+            top: int = typer.Option(15, help="Rows in the hotspot table."),
+            torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
+            json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
+    """Profile a model, print its hotspots, and freeze the top regions as problems."""
+    from agent.jobs import profile_and_freeze
+    from tools.profiler import render_hotspots, torch_profiler_table
+    res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
+                             region_tolerance=region_tolerance, coverage=coverage, max_regions=max_regions,
+                             freeze_problems=freeze)
+    if json_out:
+        _emit_json({"run": str(res.run.path), "hotspots": json.loads(res.result.model_dump_json()),
+                    "problems": [p.name for p in res.problems], "skipped": res.skipped})
+        return
+    out.print(render_hotspots(res.result, top=top))
+    if torch_table:
+        from tools.modelfile import load_model
+        out.print(torch_profiler_table(load_model(model, res.result.device), res.result.device, workload))
+    for p in res.problems:
+        out.print(f"froze [bold]{p.name}[/] ({p.region_path}, {p.share_of_model:.0%} of time), tolerance {p.tolerance}")
+    for name, why in res.skipped.items():
+        out.print(f"skipped {name}: {why}")
+    out.print(f"run folder: [bold]{res.run.path}[/]  (trace.json opens in Perfetto)")
+
+
+@app.command("try")
+@_guard
+def try_(target: Path = typer.Argument(..., help="A run folder or a problem folder."),
+         candidate: Path = typer.Argument(..., help="Candidate file defining forward(module, *inputs)."),
+         region: Optional[str] = typer.Option(None, help="The problem, when the run has several."),
+         device: Optional[str] = typer.Option(None, help="cuda, cuda:N or cpu (default: the freeze device)."),
+         json_out: bool = typer.Option(False, "--json", help="The verdict as JSON (what coding agents read).")):
+    """Verify and time one candidate in the sandbox; exit 0 if it passed, 1 if rejected."""
+    from agent.jobs import try_candidate
+    trial = try_candidate(target, candidate, region, device)
+    if json_out:
+        _emit_json(trial.model_dump(mode="json"))
+    else:
+        colour = "green" if trial.status.value == "ok" else "red"
+        out.print(f"[bold {colour}]{trial.status.value}[/]: {trial.reason}")
+        if trial.error is not None:
+            out.print(f"error {trial.error:.3g} vs tolerance {trial.tolerance}; fresh inputs {trial.fresh_error}")
+        for t in trial.timings:
+            label = "CPU timing" if t.timing_kind == "cpu" else "GPU timing"
+            out.print(f"  {t.workload}: baseline {t.baseline_ms:.4f} ms, candidate {t.candidate_ms:.4f} ms, "
+                      f"{t.speedup:.2f}x ({label}, spread {t.candidate_spread:.1%}, {t.reps} reps)")
+        if trial.speedup:
+            out.print(f"weighted speedup {trial.speedup:.2f}x" + (" (CPU timing)" if trial.device == "cpu" else ""))
+        for f in trial.flags:
+            out.print(f"[yellow]flag:[/] {f}")
+        if trial.error_text and trial.status.value != "ok":
+            out.print(trial.error_text[-1500:], markup=False, highlight=False)
+    raise typer.Exit(0 if trial.status.value == "ok" else 1)
+
+
+@app.command()
+@_guard
+def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file: profile, freeze, then search."),
+         resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder."),
+         planner: str = typer.Option("template", help="template, files, or several: template,files."),
+         devices: Optional[str] = typer.Option(None, help="cuda:0,cuda:1 | cpu | cpu@a,cpu@b (default: idle GPUs)."),
+         device: str = typer.Option("auto", help="Device for profiling and the frozen references."),
+         workload: Optional[str] = typer.Option(None, help="Use one named workload only."),
+         gpu_hours: float = typer.Option(0.25, help="Cap on device time over all devices, hours."),
+         max_candidates: int = typer.Option(200, help="Cap on candidates tried."),
+         patience: int = typer.Option(40, help="Stop a region after N passing trials without improvement."),
+         tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for every region."),
+         max_regions: int = typer.Option(8, help="Freeze at most this many regions."),
+         runs_dir: Path = typer.Option(Path("runs"), help="Where run folders are created."),
+         json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view.")):
+    """The main job: profile, freeze problems, search until the budget runs out, report."""
+    from agent import jobs, report
+    from agent.view import budget_line, progress_rows, progress_table
+    from tools.runfolder import RunFolder
+    if (model is None) == (resume is None):
+        _fail("give either --model FILE (a new run) or --resume RUN (continue one)")
+    rule = _stop_rule(gpu_hours, max_candidates, patience)
+    if resume is not None:
+        run = RunFolder.open(resume)
+    else:
+        res = jobs.profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance, stop_rule=rule,
+                                      max_regions=max_regions)
+        run = res.run
+        if not json_out:
+            out.print(f"run folder [bold]{run.path}[/]: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
+    problems = run.problems()
+    kind = "cpu" if all(p.device == "cpu" for p in problems) and devices in (None, "cpu") else "cuda"
+    from agent.history import History
+    seen = History()
+
+    def table(budget_obj=None):
+        spent = budget_obj.spent if budget_obj else 0.0
+        tried = budget_obj.tried if budget_obj else 0
+        return progress_table(progress_rows(problems, seen), kind, budget_line(spent, gpu_hours, tried, max_candidates))
+
+    from agent.loop import load_history
+    for t in load_history(run, problems, []).trials:
+        seen.add(t)
+    holder: dict = {}
+    live = None if json_out else Live(table(), console=out, refresh_per_second=2, transient=False)
+
+    def on_trial(trial):
+        seen.add(trial)
+        if live is not None:
+            live.update(table(holder.get("budget")))
+
+    if live is not None:
+        live.start()
+    try:
+        outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial)
+        holder["budget"] = budget
+    finally:
+        if live is not None:
+            live.update(table(holder.get("budget")))
+            live.stop()
+    report_path = report.write(run)
+    summary = {"run": str(run.path), "stop_reason": outcome.stop_reason, "trials": outcome.trials_run,
+               "rounds": outcome.rounds, "best_speedup": outcome.best, "report": str(report_path),
+               "gpu_seconds": budget.spent, "timing_kind": kind}
+    if json_out:
+        _emit_json(summary)
+    else:
+        out.print(f"stopped: {outcome.stop_reason}. report: [bold]{report_path}[/]")
+        out.print(f"continue with: agent tune --resume {run.path}")
+    if outcome.stop_reason.startswith("interrupted"):
+        raise typer.Exit(130)
+
+
+@app.command()
+@_guard
+def status(run: Path = typer.Argument(..., help="Run folder (may be running elsewhere)."),
+           json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
+    """Progress of a run: per region trials, passing, best speedup, error vs tolerance, budget."""
+    from agent.loop import load_history
+    from agent.view import budget_line, progress_rows, progress_table
+    from tools.runfolder import RunFolder
+    folder = RunFolder.open(run)
+    problems = folder.problems()
+    history = load_history(folder, problems, [])
+    rule = folder.info().options.get("stop_rule", {})
+    spent = sum(t.gpu_seconds for t in history.trials)
+    rows = progress_rows(problems, history)
+    if json_out:
+        _emit_json({"run": str(folder.path), "regions": rows, "gpu_seconds": spent, "stop_rule": rule})
+        return
+    kind = "cpu" if all(p.device == "cpu" for p in problems) else "cuda"
+    out.print(progress_table(rows, kind, budget_line(spent, rule.get("gpu_hours", 0.0), len(history.records),
+                                                      rule.get("max_candidates", 0))))
+
+
+@app.command("report")
+@_guard
+def report_(run: Path = typer.Argument(..., help="Run folder.")):
+    """Write runs/<run>/report.md from what the store holds now (also mid-run)."""
+    from agent import report
+    from tools.runfolder import RunFolder
+    out.print(f"wrote {report.write(RunFolder.open(run))}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Local executor: one sandbox worker per idle device of this machine, run in parallel.
+
+Devices are grouped by hardware generation. Every candidate is queued once per target
+generation, and any idle device of that generation takes it, so N devices of a generation
+give N trials at a time. GPUs that already carry other people's work are left alone. The
+CPU is a device when there is no GPU. Before each launch the budget is asked; a launch that
+would pass the GPU-hours cap is not started.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from agent.budget import Budget
+from sandbox.client import WorkerConfig
+from sandbox.runner import Limits, TrialRunner
+from tools.trial import Candidate, Status, Trial
+
+BUSY_MEMORY_BYTES = 2 << 30
+
+
+@dataclass
+class Slot:
+    device: str
+    generation: str
+    """A label: `sm90`, `cpu`, or a simulated one given as `cpu@gen-b`."""
+
+
+def parse_devices(spec: str | None) -> tuple[list[Slot], list[str]]:
+    """Slots from `--devices` (e.g. `cuda:0,cuda:1` or `cpu@a,cpu@b`), or every idle GPU, or the CPU.
+    Returns (slots, notes about devices left alone)."""
+    notes: list[str] = []
+    if spec:
+        slots = []
+        for item in (s.strip() for s in spec.split(",") if s.strip()):
+            dev, _, label = item.partition("@")
+            if dev != "cpu" and not dev.startswith("cuda"):
+                raise ValueError(f"unknown device {item!r}: use cpu, cuda or cuda:N (optionally @label)")
+            if dev.startswith("cuda"):
+                if not torch.cuda.is_available():
+                    raise ValueError(f"device {item!r} asked for, but CUDA is not available here")
+                dev = dev if ":" in dev else "cuda:0"
+                if int(dev.split(":")[1]) >= torch.cuda.device_count():
+                    raise ValueError(f"device {dev} does not exist (this machine sees {torch.cuda.device_count()})")
+            slots.append(Slot(dev, label or _generation(dev)))
+        return slots, notes
+    if torch.cuda.is_available():
+        slots = []
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            if total - free > BUSY_MEMORY_BYTES:
+                notes.append(f"cuda:{i} left alone: {(total - free) / 2**30:.1f} GiB already in use by other work")
+                continue
+            slots.append(Slot(f"cuda:{i}", _generation(f"cuda:{i}")))
+        if slots:
+            return slots, notes
+        notes.append("no idle GPU: using the CPU")
+    return [Slot("cpu", "cpu")], notes
+
+
+def _generation(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    props = torch.cuda.get_device_properties(torch.device(device))
+    arch = getattr(props, "gcnArchName", "")
+    return arch.split(":")[0] if arch and arch.startswith("gfx") else f"sm{props.major}{props.minor}"
+
+
+class LocalExecutor:
+    def __init__(self, slots: list[Slot], problem_dirs: list[Path], limits: Limits | None = None,
+                 triton_cache: str | None = None, memory_gb: float = 8.0):
+        self.slots = slots
+        self.runners = []
+        for s in slots:
+            r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, triton_cache=triton_cache,
+                                                            memory_gb=memory_gb))
+            for d in problem_dirs:
+                r.add_problem(d)
+            self.runners.append(r)
+        self.tokens = itertools.count()
+
+    @property
+    def generations(self) -> list[str]:
+        return sorted({s.generation for s in self.slots})
+
+    def run(self, jobs: list[tuple[Candidate, str, str]], budget: Budget,
+            should_stop: Callable[[], bool] = lambda: False) -> Iterator[Trial]:
+        """Run (candidate, generation, saved path) jobs; yields trials as they finish."""
+        queues: dict[str, queue.Queue] = {g: queue.Queue() for g in self.generations}
+        for job in jobs:
+            queues[job[1]].put(job)
+        results: queue.Queue = queue.Queue()
+        live = len(self.slots)
+
+        def work(slot: Slot, runner: TrialRunner) -> None:
+            try:
+                while not should_stop():
+                    try:
+                        cand, gen, path = queues[slot.generation].get_nowait()
+                    except queue.Empty:
+                        return
+                    token = next(self.tokens)
+                    if not budget.try_launch(token):
+                        return
+                    try:
+                        trial = runner.run(cand, candidate_path=path)
+                    except Exception as e:  # a harness bug costs this trial, not the night
+                        trial = Trial(region=cand.region, candidate_hash=cand.hash, status=Status.lost,
+                                      reason=f"harness error: {type(e).__name__}: {e}", device=slot.device)
+                    if should_stop():  # interrupted mid-trial: not a result, so resume runs it again
+                        budget.cancel(token)
+                        return
+                    trial.generation = slot.generation
+                    budget.finish(token, trial)
+                    results.put(trial)
+            finally:
+                results.put(None)
+
+        threads = [threading.Thread(target=work, args=(s, r), daemon=True) for s, r in zip(self.slots, self.runners)]
+        for t in threads:
+            t.start()
+        while live:
+            item = results.get()
+            if item is None:
+                live -= 1
+            else:
+                yield item
+
+    def close(self) -> None:
+        for r in self.runners:
+            r.close()

@@ -1,0 +1,87 @@
+"""What has been tried, per region and candidate, across device generations.
+
+A candidate is *kept* only when it passed the tolerance on every target generation; its
+rank is its smallest speedup over those generations, since a win on one generation can be
+a regression on another.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from tools.trial import Status, Trial
+
+
+@dataclass
+class CandidateRecord:
+    region: str
+    candidate_hash: str
+    template: str | None
+    params: dict
+    planner: str
+    by_generation: dict[str, Trial] = field(default_factory=dict)
+
+    def speedups(self) -> dict[str, float]:
+        return {g: t.speedup for g, t in self.by_generation.items() if t.ranked}
+
+    def kept(self, generations: list[str]) -> bool:
+        return all(g in self.by_generation and self.by_generation[g].ranked for g in generations)
+
+    def score(self, generations: list[str]) -> float:
+        s = self.speedups()
+        return min(s[g] for g in generations) if self.kept(generations) else 0.0
+
+    def failed(self) -> Trial | None:
+        return next((t for t in self.by_generation.values() if t.status is not Status.ok), None)
+
+
+class History:
+    def __init__(self, generations: dict[str, list[str]] | None = None):
+        self.records: dict[tuple[str, str], CandidateRecord] = {}
+        self.trials: list[Trial] = []
+        self.generations = generations or {}
+        """Per region: the generations a candidate must pass on."""
+
+    def add(self, trial: Trial) -> CandidateRecord:
+        self.trials.append(trial)
+        key = (trial.region, trial.candidate_hash)
+        rec = self.records.get(key)
+        if rec is None:
+            rec = self.records[key] = CandidateRecord(trial.region, trial.candidate_hash, trial.template,
+                                                      trial.params, trial.planner)
+        rec.by_generation[trial.generation] = trial
+        return rec
+
+    def targets(self, region: str) -> list[str]:
+        return self.generations.get(region) or sorted({t.generation for t in self.trials if t.region == region})
+
+    def done(self, region: str, digest: str, generation: str) -> bool:
+        rec = self.records.get((region, digest))
+        return rec is not None and generation in rec.by_generation
+
+    def tried(self, region: str, digest: str) -> bool:
+        rec = self.records.get((region, digest))
+        return rec is not None and all(g in rec.by_generation for g in self.targets(region))
+
+    def region_records(self, region: str) -> list[CandidateRecord]:
+        return [r for (reg, _), r in self.records.items() if reg == region]
+
+    def kept(self, region: str) -> list[CandidateRecord]:
+        gens = self.targets(region)
+        recs = [r for r in self.region_records(region) if r.kept(gens)]
+        return sorted(recs, key=lambda r: -r.score(gens))
+
+    def best(self, region: str) -> CandidateRecord | None:
+        kept = self.kept(region)
+        return kept[0] if kept else None
+
+    def failures(self, region: str, n: int = 5) -> list[Trial]:
+        return [t for t in self.trials if t.region == region and t.status is not Status.ok][-n:]
+
+    def counts(self, region: str) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for t in self.trials:
+            if t.region == region:
+                out[t.status.value] += 1
+        return dict(out)
