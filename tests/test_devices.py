@@ -1,0 +1,141 @@
+"""Device discovery, ceilings and their cache, and the doctor report (CPU only)."""
+
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from agent import doctor
+from tools import devices
+from tools.devices import Ceilings, get_ceilings, list_devices, measure_ceilings, software_versions
+
+FAKE_KEY = "sk-ant-FAKE-doctor-must-not-print-this-0123456789"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIGHTSHIFT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def counted_measure(monkeypatch):
+    """Real measurements, made small, counted: the cache test needs to see re-measuring."""
+    calls = []
+    real = devices.measure_ceilings
+
+    def small(device, **kwargs):
+        calls.append(device)
+        return real(device, copy_bytes=1 << 20, matmul_n=64, reps=2)
+
+    monkeypatch.setattr(devices, "measure_ceilings", small)
+    return calls
+
+
+def test_cpu_is_always_listed_last():
+    found = list_devices()
+    cpu = found[-1]
+    assert cpu.kind == "cpu" and cpu.generation == "cpu" and cpu.torch_device == "cpu"
+    assert cpu.name and cpu.total_memory_bytes > 0
+    for gpu in found[:-1]:
+        assert gpu.generation.startswith(("sm", "gfx"))
+
+
+def test_cpu_ceilings_are_positive_and_finite():
+    c = measure_ceilings("cpu", copy_bytes=1 << 20, matmul_n=64, reps=2)
+    assert c.dtype == "float32" and c.torch_version == torch.__version__
+    for value in (c.bandwidth_gbps, c.matmul_tflops):
+        assert math.isfinite(value) and value > 0
+
+
+def test_floor_is_the_slower_of_compute_and_memory():
+    c = Ceilings(device_name="x", bandwidth_gbps=1000.0, matmul_tflops=100.0, dtype="bfloat16",
+                 measured_at="now")
+    assert c.floor_ms(flops=1e12, nbytes=0) == pytest.approx(10.0)  # 1 TFLOP at 100 TFLOP/s
+    assert c.floor_ms(flops=0, nbytes=1e9) == pytest.approx(1.0)  # 1 GB at 1000 GB/s
+    assert c.floor_ms(flops=1e12, nbytes=1e9) == pytest.approx(10.0)
+
+
+def test_second_call_reads_the_cache(cache_dir, counted_measure):
+    first = get_ceilings("cpu")
+    assert len(counted_measure) == 1
+    cached = json.loads((cache_dir / "ceilings.json").read_text())
+    (key,) = cached
+    assert torch.__version__ in key and first.device_name in key
+
+    second = get_ceilings("cpu")
+    assert len(counted_measure) == 1, "a cached device was measured again"
+    assert second == first
+
+    get_ceilings("cpu", refresh=True)
+    assert len(counted_measure) == 2
+
+
+def test_corrupt_cache_is_measured_again(cache_dir, counted_measure):
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "ceilings.json").write_text("{not json")
+    get_ceilings("cpu")
+    assert len(counted_measure) == 1
+    assert json.loads((cache_dir / "ceilings.json").read_text())
+
+
+def test_software_versions_names_the_stack():
+    v = software_versions()
+    assert v["torch"] == torch.__version__ and v["python"] and v["nightshift"]
+    assert {"triton", "cuda", "hip"} <= set(v)
+
+
+def test_doctor_reports_keys_as_set_never_their_value(cache_dir, counted_measure, monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", FAKE_KEY)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    report = doctor.run_doctor()
+
+    assert report["api_keys"] == {"ANTHROPIC_API_KEY": "set", "OPENAI_API_KEY": "unset"}
+    assert FAKE_KEY not in json.dumps(report)
+    console = Console(record=True, width=200)
+    console.print(doctor.render_doctor(report))
+    text = console.export_text()
+    assert FAKE_KEY not in text and "ANTHROPIC_API_KEY" in text
+
+    assert report["ok"] is True and report["triton"]["ok"]
+    if not torch.cuda.is_available():
+        assert report["triton"]["mode"] == "interpreter"
+    assert report["ceilings"]["cpu"]["bandwidth_gbps"] > 0
+    assert len(counted_measure) == len(report["devices"])
+
+
+def test_doctor_is_not_ok_when_triton_cannot_run(monkeypatch):
+    monkeypatch.setattr(doctor, "_TRITON_CHECK", "raise SystemExit('no triton backend here')")
+    report = doctor.run_doctor(ceilings=False)
+    assert report["ok"] is False
+    assert "no triton backend here" in report["triton"]["detail"]
+    assert any("Triton cannot run" in p for p in report["problems"])
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpus_come_first_with_their_generation():
+    gpu = list_devices()[0]
+    assert gpu.kind in ("cuda", "rocm") and gpu.torch_device == "cuda:0"
+    assert gpu.generation.startswith("sm" if gpu.kind == "cuda" else "gfx")
+    assert gpu.total_memory_bytes > 0 and gpu.driver_version
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_ceilings_are_plausible():
+    c = measure_ceilings("cuda:0", copy_bytes=256 << 20, matmul_n=4096, reps=5)
+    assert c.dtype == "bfloat16"
+    assert 100 < c.bandwidth_gbps < 20_000 and 10 < c.matmul_tflops < 5_000
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_runs_on_the_gpu():
+    check = doctor.check_triton()
+    assert check["ok"] and check["mode"] == "gpu", check
