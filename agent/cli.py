@@ -18,7 +18,7 @@ from rich.live import Live
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="nightshift: overnight, accuracy-gated search for faster GPU kernels.")
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True)
 
 
@@ -197,7 +197,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     if json_out:
         _emit_json(summary)
     else:
-        out.print(f"stopped: {outcome.stop_reason}. report: [bold]{report_path}[/]")
+        out.print(f"\nstopped: {outcome.stop_reason}. report: [bold]{report_path}[/]")
         out.print(f"continue with: agent tune --resume {run.path}")
     if outcome.stop_reason.startswith("interrupted"):
         raise typer.Exit(130)

@@ -70,7 +70,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
     problems, skipped = [], {}
     if freeze_problems:
         rows = select_regions(result, coverage=coverage, max_regions=max_regions)
-        choices = [RegionChoice(r.qualname, r.share, tuple(k.name for k in r.top_kernels),
+        choices = [RegionChoice(r.class_name, r.share, tuple(k.name for k in r.top_kernels),
                                 _per_workload_ms(result, r.qualname)) for r in rows]
         problems, skips = freeze(loaded, choices, run.problems_dir, dev, tolerance=tol, per_region=per_region,
                                  stop_rule=stop_rule, targets=targets, device_name=result.device_name,

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from sandbox import protocol
 from sandbox.isolation import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
+# Workers die with the thread that started them (PR_SET_PDEATHSIG follows the creating
+# thread), so every worker is started from this one thread, which lives as long as the tuner.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-spawner")
 
 
 @dataclass
@@ -77,10 +81,11 @@ class Worker:
                "--parent", str(os.getpid()), "--device", kind, "--memory-gb", str(cfg.memory_gb),
                "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)]
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=env, cwd=self.workdir, pass_fds=(child_sock.fileno(),),
-                                     start_new_session=True, stdin=subprocess.DEVNULL,
-                                     stdout=open(os.path.join(self.workdir, "stdout.log"), "wb"),
-                                     stderr=subprocess.STDOUT)
+        log = open(os.path.join(self.workdir, "stdout.log"), "wb")
+        self.proc = _SPAWNER.submit(subprocess.Popen, cmd, env=env, cwd=self.workdir,
+                                    pass_fds=(child_sock.fileno(),), start_new_session=True,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT).result()
+        log.close()
         child_sock.close()
         self.sock = parent_sock
         self.starts += 1
