@@ -23,7 +23,8 @@ err = Console(stderr=True)
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape  # a path like runs/[old]/m.py is text, not markup
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # one line, however long
     raise typer.Exit(code)
 
 
@@ -47,6 +48,10 @@ def _guard(fn):
         except ValidationError as e:
             _fail("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
     return wrapper
+
+
+def _names(text: Optional[str]) -> Optional[list[str]]:
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
 
 
 def _stop_rule(gpu_hours: float, max_candidates: int, patience: int, max_usd: Optional[float] = None):
@@ -76,6 +81,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             coverage: float = typer.Option(0.9, help="Freeze the fewest regions covering this share of time."),
             max_regions: int = typer.Option(8, help="Freeze at most this many regions."),
             freeze: bool = typer.Option(True, help="Freeze problems for the selected regions."),
+            regions: Optional[str] = typer.Option(None, help="Freeze these classes (comma-separated) instead."),
             top: int = typer.Option(15, help="Rows in the hotspot table."),
             torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
@@ -84,7 +90,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
     from tools.profiler import render_hotspots, torch_profiler_table
     res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
                              region_tolerance=region_tolerance, coverage=coverage, max_regions=max_regions,
-                             freeze_problems=freeze)
+                             freeze_problems=freeze, regions=_names(regions))
     if json_out:
         _emit_json({"run": str(res.run.path), "hotspots": json.loads(res.result.model_dump_json()),
                     "problems": [p.name for p in res.problems], "skipped": res.skipped})
@@ -114,7 +120,8 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
         _emit_json(trial.model_dump(mode="json"))
     else:
         colour = "green" if trial.status.value == "ok" else "red"
-        out.print(f"[bold {colour}]{trial.status.value}[/]: {trial.reason}")
+        from rich.markup import escape  # the reason may quote the candidate's own exception
+        out.print(f"[bold {colour}]{trial.status.value}[/]: {escape(trial.reason)}")
         if trial.error is not None:
             out.print(f"error {trial.error:.3g} vs tolerance {trial.tolerance}; fresh inputs {trial.fresh_error}")
         for t in trial.timings:
@@ -143,6 +150,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
          patience: int = typer.Option(40, help="Stop a region after N passing trials without improvement."),
          tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for every region."),
          max_regions: int = typer.Option(8, help="Freeze at most this many regions."),
+         regions: Optional[str] = typer.Option(None, help="Freeze these classes (comma-separated)."),
          runs_dir: Path = typer.Option(Path("runs"), help="Where run folders are created."),
          json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view.")):
     """The main job: profile, freeze problems, search until the budget runs out, report."""
@@ -156,7 +164,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         run = RunFolder.open(resume)
     else:
         res = jobs.profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance, stop_rule=rule,
-                                      max_regions=max_regions)
+                                      max_regions=max_regions, regions=_names(regions))
         run = res.run
         if not json_out:
             out.print(f"run folder [bold]{run.path}[/]: froze {', '.join(p.name for p in res.problems) or 'nothing'}")

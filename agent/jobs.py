@@ -53,7 +53,8 @@ class ProfileOutcome:
 def profile_and_freeze(model: Path, device: str | None, workload: str | None, runs_dir: Path, *,
                        tolerance: str | None = None, region_tolerance: list[str] = (),
                        stop_rule: StopRule | None = None, targets: list[str] | None = None,
-                       coverage: float = 0.9, max_regions: int = 8, freeze_problems: bool = True) -> ProfileOutcome:
+                       coverage: float = 0.9, max_regions: int = 8, freeze_problems: bool = True,
+                       regions: list[str] | None = None) -> ProfileOutcome:
     dev = resolve_device(device)
     tol = _tolerance(tolerance) if tolerance else None
     per_region = {}
@@ -70,6 +71,13 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
     problems, skipped = [], {}
     if freeze_problems:
         rows = select_regions(result, coverage=coverage, max_regions=max_regions)
+        if regions:  # the user's choice of classes overrides the coverage rule
+            by_name = {r.class_name: r for r in result.by_class}
+            unknown = [r for r in regions if r not in by_name]
+            if unknown:
+                raise UserError(f"--regions: no module class {', '.join(unknown)} in the model "
+                                f"(has: {', '.join(sorted(by_name))})")
+            rows = [by_name[r] for r in regions]
         choices = [RegionChoice(r.class_name, r.share, tuple(k.name for k in r.top_kernels),
                                 _per_workload_ms(result, r.qualname)) for r in rows]
         problems, skips = freeze(loaded, choices, run.problems_dir, dev, tolerance=tol, per_region=per_region,

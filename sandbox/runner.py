@@ -76,6 +76,7 @@ class TrialRunner:
         self.problems: dict[str, LoadedProblem] = {}
         self.fresh: dict[str, tuple[list[dict], list[list], list[str]]] = {}
         self.worker_starts_seen = -1
+        self.phases: dict[str, float] = {}
 
     # -- set-up ----------------------------------------------------------------------------
     def add_problem(self, folder: Path) -> LoadedProblem:
@@ -121,6 +122,7 @@ class TrialRunner:
         trial = self._run(candidate, do_time)
         trial.candidate_path = candidate_path
         trial.gpu_seconds = time.monotonic() - t0
+        trial.phases = dict(self.phases)
         trial.finished_at = time.time()
         return trial
 
@@ -144,12 +146,14 @@ class TrialRunner:
         bad = self._ensure_worker()
         if bad is not None:
             return self._fail(c, lp, Reply(False, status="lost", error=bad.error))
-        lim = self.limits
+        lim, self.phases = self.limits, {}
         reply = self.worker.request({"op": "load", "problem": c.region, "source": c.source, "hash": c.hash},
                                     timeout=lim.compile_s)
+        self.phases["load"] = reply.seconds
         if not reply.ok:
             return self._fail(c, lp, reply)
         reply = self.worker.request({"op": "verify"}, timeout=lim.run_s)
+        self.phases["verify"] = reply.seconds
         if not reply.ok:
             return self._fail(c, lp, reply)
         fresh, fresh_ref, fresh_hashes = self.fresh[c.region]
@@ -195,6 +199,7 @@ class TrialRunner:
         reply = self.worker.request({"op": "time", "sets": list(range(len(lp.inputs))), "budget_ms": budget_ms,
                                      "max_reps": self.limits.max_reps}, timeout=self.limits.time_s)
         wall_ms = (time.monotonic() - t0) * 1e3
+        self.phases["time"] = self.phases.get("time", 0.0) + wall_ms / 1e3
         if not reply.ok:
             return [], reply
         if reply.header.get("tampered"):

@@ -94,6 +94,9 @@ class Trial(BaseModel):
     device_name: str = ""
     generation: str = "cpu"
     gpu_seconds: float = 0.0
+    """Wall time the trial held its device (start of load to verdict)."""
+    phases: dict[str, float] = Field(default_factory=dict)
+    """Seconds per phase: load (import + first call, compiles kernels), verify, time."""
     versions: dict[str, str] = Field(default_factory=dict)
     started_at: float = Field(default_factory=time.time)
     finished_at: float = 0.0
