@@ -86,7 +86,7 @@ rows = []
 for region, path in seq:
     src = path.read_text().replace("{reference_path}", str(problems / region / "reference.pt"))
     limits = runner.limits
-    runner.limits = Limits(run_s=20) if "sleeps" in path.name else Limits()
+    runner.limits = Limits(compile_s=20, run_s=20) if "sleeps" in path.name else Limits()
     t = runner.run(Candidate(region=region, source=src))
     runner.limits = limits
     rows.append((region, path.name, t))

@@ -159,11 +159,12 @@ class Worker:
         fwd, module = c["forward"], c["module"]
         runs: dict[str, list] = {"a": [], "b": [], "fresh": []}
         meta, input_hashes, fresh_hashes = [], [], []
+        sizes = req.get("output_bytes") or [[] for _ in p["inputs"]]
         for key, sets in (("a", p["inputs"]), ("b", p["inputs"]), ("fresh", p["fresh"])):
-            for s in sets:
+            for i, s in enumerate(sets):
                 args, kwargs = call_args(s, self.device)
                 poison = key == "a"
-                self._poison(float("nan") if poison else 7777.0)
+                self._poison(float("nan") if poison else 7777.0, sizes[i % len(sizes)])
                 with _fill_uninitialized(torch, poison):
                     out = self._call(lambda: fwd(module, *args, **kwargs), "run")
                     # Copied on the current stream at once: work left on a side stream is a race here.
@@ -175,6 +176,7 @@ class Worker:
                     meta.append({"structure": structure, "outputs": [_describe(t) for t in leaves]})
                 (input_hashes if key != "fresh" else fresh_hashes).append(
                     tensor_hash({"args": args, "kwargs": kwargs}))
+                del out, leaves, snap  # freed before the next poisoning, not after the next call
         orig, now = _tensors_map(p["region"]), _tensors_map(module)
         changed = [n for n in orig if n not in now or not torch.equal(now[n], orig[n])]
         tampered = self._tampered()
@@ -217,15 +219,16 @@ class Worker:
             except BaseException as e:
                 raise classify(e, "run")
 
-    def _poison(self, value: float) -> None:
-        """Fill freed device memory so outputs never written keep this value, not old data."""
+    def _poison(self, value: float, sizes: list[int]) -> None:
+        """Fill freed memory so outputs never written keep this value, not old data: blocks
+        of each output's size are filled and freed, so the allocator hands them out next."""
         torch = self.torch
-        if self.device.type != "cuda":
-            return
-        free, _ = torch.cuda.mem_get_info()
-        block = torch.empty(min(free // 4, 1 << 30) // 4, dtype=torch.float32, device=self.device)
-        block.fill_(value)
-        del block
+        blocks = [torch.full((max(1, n // 4),), value, dtype=torch.float32, device=self.device)
+                  for n in sizes for _ in range(4)]
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            blocks.append(torch.full((min(free // 4, 1 << 30) // 4,), value, dtype=torch.float32, device=self.device))
+        del blocks
 
     def _tampered(self) -> list[str]:
         now = integrity_snapshot(sorted(self.region_classes, key=lambda c: c.__qualname__))

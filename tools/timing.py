@@ -3,9 +3,12 @@
 - Warm-up first, so compilation and handle creation stay out of the numbers.
 - The two callables alternate (A B, B A, ...), so drift in clocks or temperature hits both.
 - On CUDA: L2 flushed before every repetition, CUDA events around the call, median taken.
-- Work hidden on another stream is counted: after the call's end event completes we wait
-  for the whole device and measure how long that took beyond an idle device's wait. That
-  excess is added to the time and reported, so a candidate cannot hide its work there.
+- Calls are queued without host syncs (a flush and a short device sleep before each), so
+  the host's launch overhead is not counted as device time, as in triton's do_bench.
+- Work hidden on another stream is counted: in a separate pass, after the call's end event
+  completes we wait for the whole device and measure how long that took beyond an idle
+  device's wait. That excess is added to every sample and reported, so a candidate cannot
+  hide its work there.
 - On the CPU the host clock is used, and every number is labelled a CPU timing.
 """
 
@@ -61,25 +64,39 @@ class _CudaClock:
         # A high quantile, so ordinary jitter of the wait is not charged as hidden work.
         return _quantile(tails, 0.9)
 
-    def once(self, fn: Callable[[], object]) -> tuple[float, float]:
-        """(event ms, hidden ms) of one call."""
-        self.flush_buf.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    def batch(self, calls: list[Callable[[], object]]) -> list[float]:
+        """Event-timed ms of each call, queued back to back without host syncs (as do_bench
+        does): a flush and a short device sleep before each call keep the GPU behind the CPU,
+        so the host's launch overhead is not counted as device time."""
+        pairs = []
+        for fn in calls:
+            self.flush_buf.zero_()
+            torch.cuda._sleep(20_000)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            pairs.append((start, end))
         torch.cuda.synchronize()
-        start.record()
+        return [s.elapsed_time(e) for s, e in pairs]
+
+    def hidden(self, fn: Callable[[], object]) -> float:
+        """ms of device work still running on other streams after fn's stream finished."""
+        self.flush_buf.zero_()
+        torch.cuda.synchronize()
+        end = torch.cuda.Event()
         fn()
         end.record()
         end.synchronize()
         t0 = time.perf_counter()
         torch.cuda.synchronize()
-        tail = (time.perf_counter() - t0) * 1e3
-        return start.elapsed_time(end), max(0.0, tail - self.idle_tail)
+        return max(0.0, (time.perf_counter() - t0) * 1e3 - self.idle_tail)
 
 
-def _cpu_once(fn: Callable[[], object]) -> tuple[float, float]:
+def _cpu_once(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
-    return (time.perf_counter() - t0) * 1e3, 0.0
+    return (time.perf_counter() - t0) * 1e3
 
 
 def time_pair(baseline: Callable[[], object], candidate: Callable[[], object], device: torch.device,
@@ -91,18 +108,25 @@ def time_pair(baseline: Callable[[], object], candidate: Callable[[], object], d
     `budget_ms`, within [min_reps, max_reps]. Hidden (other-stream) time is included in the
     candidate's samples, and reported separately in `hidden_ms`.
     """
-    once = _CudaClock(device).once if device.type == "cuda" else _cpu_once
-    for _ in range(warmup):
-        once(baseline)
-        once(candidate)
-    est = once(baseline)[0] + once(candidate)[0]
+    def run(pairs: list[tuple[str, Callable[[], object]]]) -> list[float]:
+        return clock.batch([f for _, f in pairs]) if clock else [_cpu_once(f) for _, f in pairs]
+
+    clock = _CudaClock(device) if device.type == "cuda" else None
+    run([("b", baseline), ("c", candidate)] * warmup)
+    est = sum(run([("b", baseline), ("c", candidate)]))
     reps = int(max(min_reps, min(max_reps, budget_ms / max(est, 1e-3))))
+    order = []
+    for i in range(reps):  # alternate, so drift in clocks or temperature hits both alike
+        order += [("b", baseline), ("c", candidate)] if i % 2 == 0 else [("c", candidate), ("b", baseline)]
     samples: dict[str, list[float]] = {"b": [], "c": []}
-    hidden: dict[str, list[float]] = {"b": [], "c": []}
-    for i in range(reps):
-        order = (("b", baseline), ("c", candidate)) if i % 2 == 0 else (("c", candidate), ("b", baseline))
-        for key, fn in order:
-            ms, extra = once(fn)
-            samples[key].append(ms + extra)
-            hidden[key].append(extra)
-    return _stats(samples["b"], hidden["b"]), _stats(samples["c"], hidden["c"])
+    for start in range(0, len(order), 64):  # bounded batches: events are cheap but not free
+        chunk = order[start:start + 64]
+        for (key, _), ms in zip(chunk, run(chunk)):
+            samples[key].append(ms)
+    hidden = {"b": [0.0], "c": [0.0]}
+    if clock:
+        hidden = {k: [clock.hidden(f) for _ in range(5)] for k, f in (("b", baseline), ("c", candidate))}
+    extra = {k: statistics.median(v) for k, v in hidden.items()}
+    # Work left on other streams is real work: it is added to every sample, and reported.
+    return (_stats([x + extra["b"] for x in samples["b"]], hidden["b"]),
+            _stats([x + extra["c"] for x in samples["c"]], hidden["c"]))
