@@ -1,0 +1,197 @@
+"""The kernel template library: Jinja templates that render whole candidate files.
+
+Each `KernelTemplate` names a `prompts/kernels/*.py.j2` file, the search space of its tuning
+parameters, and a binding rule (`agent/planners/bindings.py`) that says from shapes and
+attributes alone how the template could apply to a problem. A candidate is
+`render(template, binding, params)`; whether it computes the region's function is decided by
+the verifier against the frozen reference, never here.
+
+    for template, binding in applicable(problem):
+        source = render(template, binding, default_params(template))
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.resources import files
+
+import jinja2
+
+from agent.planners import bindings as rules
+from tools.problem import Problem
+
+
+@dataclass(frozen=True)
+class KernelTemplate:
+    name: str
+    file: str
+    """Template path under the `prompts` package, e.g. `kernels/rmsnorm.py.j2`."""
+    space: dict[str, tuple]
+    """Tuning parameter -> the values to search; the first value of each is the default."""
+    rule: Callable[[Problem], list[dict]]
+    """Problem -> bindings: the ways this template could apply (empty: it does not)."""
+    summary: str
+    fixed: dict = field(default_factory=dict)
+    """Template variables this entry pins, for entries that share a file."""
+    fits: Callable[[dict], bool] = lambda params: True
+    """Whether a point of the space is worth compiling (shared memory, registers)."""
+
+    def bindings(self, problem: Problem) -> list[dict]:
+        return [{**self.fixed, **b} for b in self.rule(problem)]
+
+    def sample(self, rng: random.Random) -> dict:
+        """A random point of the space that `fits` (the default if none is found quickly)."""
+        for _ in range(100):
+            params = {k: rng.choice(v) for k, v in self.space.items()}
+            if self.fits(params):
+                return params
+        return default_params(self)
+
+
+def default_params(template: KernelTemplate) -> dict:
+    return {k: values[0] for k, values in template.space.items()}
+
+
+# -- spaces --------------------------------------------------------------------------------
+# BLOCK_N 0 means "the whole row in registers, one read of the input".
+ROW_SPACE = {"BLOCK_N": (0, 1024, 2048, 4096), "num_warps": (8, 4, 16, 2, 1)}
+SOFTMAX_SPACE = {"BLOCK_N": (0, 1024, 4096, 8192), "num_warps": (4, 2, 8, 16, 1)}
+MATMUL_SPACE = {
+    "BLOCK_M": (128, 64, 32, 16, 256),
+    "BLOCK_N": (128, 64, 256, 32),
+    "BLOCK_K": (64, 32, 128),
+    "GROUP_M": (8, 4, 1, 16),
+    "num_warps": (8, 4, 2),
+    "num_stages": (3, 4, 2, 5),
+    "tf32": (False, True),  # fp32 models only: tf32 tensor cores, if the tolerance allows
+}
+# Defaults from a sweep on one H200 (bf16, M=32, Llama-3-8B projections, CUDA graphs): the
+# skinny kernel reaches cuBLAS's ~3.4 TB/s; the GEMM reaches ~0.85x of cuBLAS at 128x256.
+SKINNY_SPACE = {
+    "BLOCK_N": (64, 32, 16, 128, 256),
+    "BLOCK_K": (128, 64, 256, 512),
+    "SPLIT_K": (1, 2, 4, 8, 16),  # >1 costs a second launch (the deterministic reduction)
+    "num_warps": (4, 2, 8),
+    "num_stages": (4, 3, 2, 5),
+    "tf32": (False, True),
+}
+ROPE_SPACE = {"HEADS": (4, 1, 2, 8, 16), "num_warps": (4, 1, 2, 8), "out_layout": ("bhsd", "bshd")}
+SMEM_BYTES = 200 * 1024  # under Hopper's 227 KB per block, for 2-byte inputs
+
+
+def _matmul_fits(weights: int) -> Callable[[dict], bool]:
+    def fits(p: dict) -> bool:
+        tile = (p["BLOCK_M"] * p["BLOCK_K"] + weights * p["BLOCK_K"] * p["BLOCK_N"]) * 2
+        regs = weights * p["BLOCK_M"] * p["BLOCK_N"] // (32 * p["num_warps"])
+        return tile * p["num_stages"] <= SMEM_BYTES and regs <= 256
+    return fits
+
+
+def _skinny_fits(weights: int) -> Callable[[dict], bool]:
+    def fits(p: dict) -> bool:
+        tile = (64 * p["BLOCK_K"] + weights * p["BLOCK_K"] * p["BLOCK_N"]) * 2
+        return tile * p["num_stages"] <= SMEM_BYTES
+    return fits
+
+
+_ALL = [
+    KernelTemplate("rmsnorm", "kernels/rmsnorm.py.j2", ROW_SPACE, rules.rmsnorm,
+                   "RMSNorm over the last dim, one row per program, fp32 sum of squares."),
+    KernelTemplate("layernorm", "kernels/layernorm.py.j2", ROW_SPACE, rules.layernorm,
+                   "LayerNorm over the last dim, one row per program, fp32 mean and variance."),
+    KernelTemplate("softmax", "kernels/softmax.py.j2", SOFTMAX_SPACE, rules.softmax,
+                   "Softmax over the last dim: whole row in registers, or an online two-read loop."),
+    KernelTemplate("add_rmsnorm", "kernels/add_rmsnorm.py.j2",
+                   {**ROW_SPACE, "fuse_input_norm": (True, False)}, rules.decoder_layer,
+                   "Pre-norm decoder layer: residual add fused with the post-attention RMSNorm."),
+    KernelTemplate("gated_mlp", "kernels/gated_mlp.py.j2",
+                   {"gemm": ("concat", "separate"), "BLOCK": (1024, 256, 512, 2048, 4096),
+                    "num_warps": (4, 8, 2, 16)}, rules.gated_mlp,
+                   "Gated MLP: cuBLAS gate/up (one GEMM on a cached [2I, H] weight), fused "
+                   "act(g)*u in Triton, cuBLAS down."),
+    KernelTemplate("mlp_dual_gemm", "kernels/mlp_dual_gemm.py.j2",
+                   {**MATMUL_SPACE, "down": ("torch", "triton")}, rules.gated_mlp,
+                   "Gated MLP: gate and up in one Triton GEMM with an act(g)*u epilogue.",
+                   fits=_matmul_fits(2)),
+    KernelTemplate("linear_act", "kernels/linear_act.py.j2",
+                   {**MATMUL_SPACE, "BLOCK_N": (256, 128, 64, 32)}, rules.linear,
+                   "Linear with bias and activation fused into a Triton GEMM's epilogue.",
+                   fits=_matmul_fits(1)),
+    KernelTemplate("skinny_linear", "kernels/skinny_linear.py.j2", SKINNY_SPACE,
+                   rules.decode_only(rules.linear),
+                   "Decode-shaped Linear (few rows): weight-streaming GEMV, split-K.",
+                   fits=_skinny_fits(1)),
+    KernelTemplate("skinny_mlp", "kernels/skinny_mlp.py.j2", SKINNY_SPACE,
+                   rules.decode_only(rules.gated_mlp),
+                   "Decode-shaped gated MLP: gate+up streamed by one skinny kernel, then down.",
+                   fits=_skinny_fits(2)),
+    KernelTemplate("rope_attention", "kernels/attention.py.j2", {**ROPE_SPACE, "qkv": ("separate",)},
+                   rules.attention,
+                   "Attention with RoPE on q and k in one Triton pass (K/V still repeated).",
+                   fixed={"kv": "repeat"}),
+    KernelTemplate("gqa_attention", "kernels/attention.py.j2",
+                   {"qkv": ("fused", "separate"), **ROPE_SPACE}, rules.attention,
+                   "Attention: fused QKV GEMM, one-pass RoPE, SDPA over shared K/V heads "
+                   "(enable_gqa, no repeat_interleave copies).",
+                   fixed={"kv": "gqa"}),
+]
+TEMPLATES: dict[str, KernelTemplate] = {t.name: t for t in _ALL}
+
+
+def applicable(problem: Problem) -> list[tuple[KernelTemplate, dict]]:
+    """Every (template, binding) that could compute this problem's region."""
+    return [(t, b) for t in TEMPLATES.values() for b in t.bindings(problem)]
+
+
+# -- rendering -----------------------------------------------------------------------------
+def _ref(name: str | None) -> str:
+    """Python expression for a parameter/buffer/child of `module` by dotted name."""
+    if name is None:
+        return "None"
+    expr = "module"
+    for part in name.split("."):
+        ok = part.isidentifier() and not keyword.iskeyword(part)
+        expr = f"{expr}.{part}" if ok else f"getattr({expr}, {part!r})"
+    return expr
+
+
+def _py(value) -> str:
+    """A Python literal; an undefined variable fails here too (repr() would not)."""
+    if isinstance(value, jinja2.Undefined):
+        value._fail_with_undefined_error()
+    return repr(value)
+
+
+def _load(name: str) -> str:
+    path = files("prompts")  # a namespace package: one segment at a time (Python 3.11)
+    for part in name.split("/"):
+        path = path.joinpath(part)
+    return path.read_text()
+
+
+@cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FunctionLoader(_load), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                             autoescape=False)
+    env.filters["ref"] = _ref
+    env.filters["py"] = _py
+    return env
+
+
+def render(template: KernelTemplate, binding: dict, params: dict) -> str:
+    """The candidate source for one binding and one point of the template's space."""
+    unknown = set(params) - set(template.space)
+    if unknown:
+        raise ValueError(f"{template.name}: unknown parameters {sorted(unknown)}")
+    clash = set(params) & set(binding)
+    if clash:
+        raise ValueError(f"{template.name}: {sorted(clash)} given as binding and parameter")
+    meta = "binding=" + json.dumps(binding, sort_keys=True) + " params=" + json.dumps(params, sort_keys=True)
+    return _environment().get_template(template.file).render(
+        **binding, **params, template_name=template.name, meta=meta)
