@@ -169,7 +169,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         if not json_out:
             out.print(f"run folder [bold]{run.path}[/]: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
     problems = run.problems()
-    kind = "cpu" if all(p.device == "cpu" for p in problems) and devices in (None, "cpu") else "cuda"
+    on_cpu = all(d.partition("@")[0].strip() == "cpu" for d in (devices or "cpu").split(",") if d.strip())
+    kind = "cpu" if all(p.device == "cpu" for p in problems) and on_cpu else "cuda"  # cpu@a,cpu@b is the CPU too
     from agent.history import History
     seen = History()
 

@@ -1,0 +1,161 @@
+"""The command line as a user (or a coding agent) meets it: every command through a real
+subprocess, its exit code, its JSON, and one clear line (never a traceback) for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "models" / "tiny_rmsnorm.py"
+CANDIDATES = ROOT / "tests" / "candidates"
+
+
+def agent(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "LLAMA_PRESET": "small", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "agent", *map(str, args)], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok_json(result: subprocess.CompletedProcess, codes=(0,)):
+    assert result.returncode in codes, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli-runs")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(runs) -> Path:
+    """`agent profile` of a model whose hot region is an RMSNorm: one problem, RMSNorm."""
+    data = ok_json(agent("profile", "--model", TINY, "--runs-dir", runs / "profiled", "--json"))
+    assert data["problems"] == ["RMSNorm"]
+    return Path(data["run"])
+
+
+@pytest.fixture(scope="module")
+def tuned(runs) -> dict:
+    return ok_json(agent("tune", "--model", TINY, "--runs-dir", runs / "tuned", "--max-candidates", 3,
+                         "--devices", "cpu", "--json"))
+
+
+def test_doctor_json_never_prints_api_keys():
+    result = agent("doctor", "--json", env={"ANTHROPIC_API_KEY": "sk-test-SECRET"})
+    report = ok_json(result, codes=(0, 1))
+    assert (result.returncode == 0) == report["ok"]
+    assert report["api_keys"]["ANTHROPIC_API_KEY"] == "set"
+    assert "SECRET" not in result.stdout and "SECRET" not in result.stderr
+
+
+def test_profile_writes_a_self_describing_run_folder(runs):
+    data = ok_json(agent("profile", "--model", ROOT / "examples" / "llama.py", "--runs-dir", runs / "llama",
+                         "--json"))
+    run = Path(data["run"])
+    assert run.parent == runs / "llama"
+    for name in ("run.json", "hotspots.json", "trace.json"):
+        json.loads((run / name).read_text())
+    assert data["problems"], data["skipped"]
+    for name in data["problems"]:
+        problem = json.loads((run / "problems" / name / "problem.json").read_text())
+        assert problem["name"] == name and problem["workloads"]
+    assert data["hotspots"]["device"] == "cpu"
+
+
+def test_try_a_correct_candidate_exits_0(tiny_run):
+    result = agent("try", tiny_run, CANDIDATES / "rmsnorm_triton.py", "--region", "RMSNorm", "--json")
+    trial = ok_json(result)
+    assert trial["status"] == "ok" and trial["error"] <= 1e-4 and trial["speedup"] > 0
+    assert all(t["timing_kind"] == "cpu" for t in trial["timings"])
+    # The verdict is kept in the run, and the candidate's source next to it.
+    assert Path(trial["candidate_path"]).parent == tiny_run / "candidates"
+
+
+def test_try_a_wrong_candidate_exits_1(tiny_run):
+    # A problem folder works as well as a run folder plus --region.
+    result = agent("try", tiny_run / "problems" / "RMSNorm", CANDIDATES / "adversarial" / "wrong_math.py")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("wrong:") and "Traceback" not in result.stderr
+
+
+def test_try_prints_the_candidates_exception_as_text(tiny_run, tmp_path):
+    candidate = tmp_path / "raises.py"
+    candidate.write_text("def forward(module, x):\n    raise RuntimeError('[/oops] [red]not markup')\n")
+    result = agent("try", tiny_run, candidate)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stdout.splitlines()[0] == "runtime_error: RuntimeError: [/oops] [red]not markup"
+
+
+def test_tune_status_and_report(tuned):
+    assert tuned["stop_reason"] == "candidate cap: 3 candidates tried" and tuned["trials"] == 3
+    assert tuned["timing_kind"] == "cpu" and tuned["best_speedup"]["RMSNorm"] > 0
+    run = Path(tuned["run"])
+    assert Path(tuned["report"]) == run / "report.md" and (run / "report.md").is_file()
+
+    status = ok_json(agent("status", run, "--json"))
+    (row,) = status["regions"]
+    assert row["region"] == "RMSNorm" and row["trials"] == 3 and row["kept"] >= 1
+    assert row["best_template"] == "rmsnorm" and row["best_error"] <= 1e-4
+    assert status["gpu_seconds"] == pytest.approx(tuned["gpu_seconds"])
+
+    (run / "report.md").unlink()
+    result = agent("report", run)
+    assert result.returncode == 0 and "report.md" in result.stdout
+    assert "| RMSNorm | 100% | 3 |" in (run / "report.md").read_text()
+
+
+def test_tune_on_two_simulated_generations_reports_cpu_timings_for_both(runs):
+    summary = ok_json(agent("tune", "--model", TINY, "--runs-dir", runs / "two-gens", "--devices", "cpu@a,cpu@b",
+                            "--max-candidates", 2, "--json"))
+    assert summary["timing_kind"] == "cpu"  # labels are generations; the timings are still CPU timings
+    assert summary["trials"] == 4  # two candidates, each on both generations
+    (row,) = ok_json(agent("status", summary["run"], "--json"))["regions"]
+    assert set(row["best_by_generation"]) == {"a", "b"}
+    assert row["best_speedup"] == pytest.approx(min(row["best_by_generation"].values()))
+
+
+# -- bad input: exit 2, one line naming the problem, no traceback ---------------------------
+BAD = {
+    "missing model file": (["profile", "--model", "tests/models/no_such_model.py"], "no_such_model.py"),
+    # Brackets in a path are text: neither dropped nor a crash of the console's markup.
+    "bracketed path": (["profile", "--model", "gone/[old]/[/x].py"], "gone/[old]/[/x].py: model file not found"),
+    "tune, missing model file": (["tune", "--model", "tests/models/no_such_model.py", "--json"], "no_such_model.py"),
+    "syntax error in model": (["profile", "--model", "tests/models/bad_syntax.py"], "syntax error at line 6"),
+    "gpu-hours nan": (["tune", "--model", TINY, "--gpu-hours", "nan"], "gpu_hours"),
+    "gpu-hours negative": (["tune", "--model", TINY, "--gpu-hours", "-1"], "gpu_hours"),
+    "patience negative": (["tune", "--model", TINY, "--patience", "-3"], "patience"),
+    "neither model nor resume": (["tune"], "--model"),
+    "profile on cuda": (["profile", "--model", TINY, "--device", "cuda"], "CUDA"),
+}
+BAD_ON_RUN = {
+    "unknown planner": (["tune", "--resume", "{run}", "--planner", "nope", "--json"], "nope"),
+    "tune on cuda devices": (["tune", "--resume", "{run}", "--devices", "cuda:0", "--json"], "CUDA"),
+    "try on a non-run folder": (["try", "{runs}", CANDIDATES / "rmsnorm_triton.py"], "neither a run folder"),
+    "try, unknown region": (["try", "{run}", CANDIDATES / "rmsnorm_triton.py", "--region", "Nope"], "Nope"),
+    "status of a non-run folder": (["status", "{runs}"], "not a run folder"),
+}
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, words: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("args, words", BAD.values(), ids=BAD.keys())
+def test_bad_input_exits_2_with_one_line(args, words, tmp_path):
+    result = agent(*args, "--runs-dir", tmp_path) if args[0] == "profile" or "--model" in args else agent(*args)
+    assert_one_line_error(result, words)
+    assert not list(tmp_path.iterdir()), "a bad input left a run folder behind"
+
+
+@pytest.mark.parametrize("args, words", BAD_ON_RUN.values(), ids=BAD_ON_RUN.keys())
+def test_bad_input_on_a_run_exits_2_with_one_line(args, words, tiny_run, tmp_path):
+    args = [str(a).replace("{run}", str(tiny_run)).replace("{runs}", str(tmp_path)) for a in args]
+    assert_one_line_error(agent(*args), words)

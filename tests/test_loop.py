@@ -1,0 +1,334 @@
+"""The search loop on the CPU: what is kept, when it stops, resume after kill -9, and the
+keep-only-if-it-holds-on-every-generation rule.
+
+Most tests use `tests/models/tiny_rmsnorm.py` (one RMSNorm region, 8x64 inputs) and pure
+torch stub candidates, so a trial costs a fraction of a second once the worker is up.
+"""
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.budget import Budget
+from agent.executors.local import LocalExecutor, parse_devices
+from agent.history import History
+from agent.loop import load_history, tune
+from agent.planners.library import applicable
+from agent.planners.template import TemplatePlanner
+from sandbox.runner import Limits
+from tools.problem import StopRule
+from tools.runfolder import RunFolder
+from tools.trial import Candidate, Status, Trial
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "models" / "tiny_rmsnorm.py"
+REGION = "RMSNorm"
+LIMITS = Limits(compile_s=60, run_s=30, time_s=60, budget_ms=50, max_reps=20)
+
+RIGHT = """import torch
+def forward(module, x):
+    xf = x.float()
+    return module.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
+"""
+# Correct but doing the work twenty times: always slower than the original, equally so.
+SLOW = """import torch
+def forward(module, x):
+    # variant {i}
+    for _ in range(20):
+        xf = x.float()
+        y = module.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
+    return y
+"""
+FAST_WRONG = """def forward(module, x):
+    return x * module.weight
+"""
+# Right function plus 1e-3: ten times the abs 1e-4 tolerance, and just as fast as RIGHT.
+JUST_OUTSIDE = RIGHT.replace("return module.weight", "return 1e-3 + module.weight")
+NAN = """import torch
+def forward(module, x):
+    return torch.full_like(x, float("nan"))
+"""
+
+
+class StubPlanner:
+    """Proposes fixed sources in order, up to n at a time; `forever` adds numbered variants."""
+
+    name = "stub"
+
+    def __init__(self, sources=(), forever: str | None = None):
+        self.sources = list(sources)
+        self.forever = forever
+        self.count = 0
+
+    def propose(self, problem, history, n):
+        out = [Candidate(region=problem.name, source=s, planner=self.name) for s in self.sources]
+        out = [c for c in out if not history.tried(problem.name, c.hash)]
+        while self.forever and len(out) < n:
+            self.count += 1
+            out.append(Candidate(region=problem.name, source=self.forever.replace("{i}", str(self.count)),
+                                 planner=self.name))
+        return out[:n]
+
+
+def h(source: str) -> str:
+    return Candidate(region=REGION, source=source).hash
+
+
+@pytest.fixture(scope="module")
+def frozen_tiny(tmp_path_factory):
+    """A run folder of the tiny model, profiled and frozen once; tests get copies."""
+    from agent.jobs import profile_and_freeze
+    res = profile_and_freeze(TINY, "cpu", None, tmp_path_factory.mktemp("tiny-runs"))
+    assert [p.name for p in res.problems] == [REGION]
+    return res.run.path
+
+
+@pytest.fixture
+def run(frozen_tiny, tmp_path) -> RunFolder:
+    dst = tmp_path / "run"
+    shutil.copytree(frozen_tiny, dst)
+    return RunFolder(dst)
+
+
+def run_loop(run: RunFolder, planner, rule: StopRule, devices: str = "cpu", budget: Budget | None = None):
+    problems = run.problems()
+    slots, _ = parse_devices(devices)
+    executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems], LIMITS,
+                             triton_cache=str(run.path / ".triton-cache"), memory_gb=4)
+    try:
+        history = load_history(run, problems, executor.generations)
+        budget = budget or Budget(rule)
+        outcome = tune(run, problems, planner, executor, budget, history)
+    finally:
+        executor.close()
+    return outcome, budget, load_history(run, problems, executor.generations)
+
+
+def stored(run: RunFolder) -> list[Trial]:
+    store = run.store(readonly=True)
+    try:
+        return list(store.trials())
+    finally:
+        store.close()
+
+
+# -- what is kept ----------------------------------------------------------------------------
+def test_template_planner_finds_and_keeps_a_correct_rmsnorm(run):
+    problem = run.problems()[0]
+    assert "rmsnorm" in {t.name for t, _ in applicable(problem)}
+    outcome, _, history = run_loop(run, TemplatePlanner(), StopRule(max_candidates=3, patience=50))
+
+    assert outcome.stop_reason.startswith("candidate cap")
+    kept = history.kept(REGION)
+    assert kept, [(t.template, t.status, t.reason) for t in history.trials]
+    assert all(t.status is Status.ok and t.speedup for r in kept for t in r.by_generation.values())
+    assert {r.template for r in kept} == {"rmsnorm"}
+    assert outcome.best[REGION] == pytest.approx(kept[0].score(["cpu"]))
+    # The LayerNorm template fits the shapes too; the tolerance, not its name, throws it out.
+    layernorm = [t for t in history.trials if t.template == "layernorm"]
+    assert layernorm and all(t.status is Status.wrong and not t.ranked for t in layernorm)
+    for t in history.trials:  # every candidate's source is kept in the run for review
+        path = Path(t.candidate_path)
+        assert path.parent == run.candidates_dir and h(path.read_text()) == t.candidate_hash
+
+
+def test_out_of_tolerance_candidates_are_never_kept_or_ranked(run):
+    from agent import report
+    planner = StubPlanner([FAST_WRONG, JUST_OUTSIDE, NAN, SLOW.replace("{i}", "0"), RIGHT])
+    outcome, _, history = run_loop(run, planner, StopRule(max_candidates=10, patience=10))
+
+    assert outcome.stop_reason == "planners have nothing new to try"
+    status = {t.candidate_hash: t for t in stored(run)}
+    assert status[h(FAST_WRONG)].status is Status.wrong
+    assert status[h(NAN)].status is Status.nan
+    outside = status[h(JUST_OUTSIDE)]
+    assert outside.status is Status.wrong and outside.error == pytest.approx(1e-3, rel=0.01)
+    for digest in (h(FAST_WRONG), h(JUST_OUTSIDE), h(NAN)):  # rejected before timing: no speed at all
+        assert not status[digest].ranked and status[digest].speedup is None and not status[digest].timings
+
+    kept = [r.candidate_hash for r in history.kept(REGION)]
+    assert kept == [h(RIGHT), h(SLOW.replace("{i}", "0"))]  # ranked by speed, the inaccurate nowhere
+    assert history.best(REGION).candidate_hash == h(RIGHT)
+
+    text = report.write(run).read_text()
+    row = next(line for line in text.splitlines() if line.startswith(f"| {REGION} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:5] == ["5", "2", f"{history.best(REGION).score(['cpu']):.2f}x"]
+    assert "nan 1, wrong 2" in text
+    rejected = [line for line in text.splitlines() if line.strip().startswith("- `")]
+    assert {line.split("`")[1] for line in rejected} == {h(FAST_WRONG), h(JUST_OUTSIDE), h(NAN)}
+
+
+# -- stop rules ------------------------------------------------------------------------------
+def test_candidate_cap_tries_exactly_that_many(run):
+    outcome, budget, _ = run_loop(run, StubPlanner(forever=RIGHT.replace("import torch", "import torch  # {i}")),
+                                  StopRule(max_candidates=3, patience=100))
+    trials = stored(run)
+    assert outcome.stop_reason == "candidate cap: 3 candidates tried"
+    assert len({t.candidate_hash for t in trials}) == 3 == len(trials) == outcome.trials_run
+    assert budget.tried == 3
+
+
+def test_patience_ends_a_search_that_stops_improving(run):
+    patience = 3
+    outcome, budget, history = run_loop(run, StubPlanner(forever=SLOW), StopRule(max_candidates=50, patience=patience))
+    trials = stored(run)
+    assert outcome.stop_reason.startswith("patience")
+    assert all(t.status is Status.ok and t.speedup < 1.0 for t in trials)
+    # One batch may be in flight when patience runs out; the cap is nowhere near.
+    assert patience <= len(trials) < patience + 4 < 50
+    assert not budget.region_open(REGION)
+
+
+def test_gpu_hours_cap_below_one_trial_starts_nothing(run):
+    outcome, budget, _ = run_loop(run, StubPlanner([RIGHT]), StopRule(gpu_hours=0.001))
+    assert outcome.stop_reason.startswith("GPU-hours")
+    assert stored(run) == [] and budget.spent == 0.0
+
+
+def test_gpu_hours_cap_stops_the_run_within_one_trial_of_the_cap(run):
+    rule = StopRule(gpu_hours=5.0 / 3600, max_candidates=1000, patience=1000)
+    budget = Budget(rule)
+    # A budget that has already seen one 0.5 s trial (as a run does after its first trials),
+    # so the first launch is estimated at 0.5 s instead of the cautious default.
+    budget.finish(-1, Trial(region=REGION, candidate_hash="seen", status=Status.ok, gpu_seconds=0.5))
+    outcome, budget, _ = run_loop(run, StubPlanner(forever=RIGHT.replace("import torch", "import torch  # {i}")),
+                                  rule, budget=budget)
+    trials = stored(run)
+    assert outcome.stop_reason.startswith("GPU-hours")
+    assert 1 <= len(trials) < 100
+    assert budget.spent == pytest.approx(0.5 + sum(t.gpu_seconds for t in trials))
+    assert budget.spent <= budget.cap_seconds + max(t.gpu_seconds for t in trials)
+
+
+def test_parallel_launches_share_the_cap_instead_of_enlarging_it():
+    budget = Budget(StopRule(gpu_hours=30 / 3600))
+    assert budget.try_launch(0)
+    budget.finish(0, Trial(region=REGION, candidate_hash="a", status=Status.ok, gpu_seconds=3.0))
+    launched = [t for t in range(1, 20) if budget.try_launch(t)]
+    assert launched == list(range(1, 10))  # 3 s spent + 9 in flight * 3 s = 30 s; a tenth would pass it
+    assert budget.stop_reason.startswith("GPU-hours cap")
+    budget.cancel(1)  # an interrupted launch gives its reservation back
+    assert budget.try_launch(20) and not budget.try_launch(21)
+
+
+# -- resume ----------------------------------------------------------------------------------
+def _problem_hashes(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((run / "problems").rglob("*")) if p.is_file()}
+
+
+def test_resume_after_kill_9_redoes_nothing(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "agent", "tune", "--devices", "cpu", "--max-candidates", "8", "--patience", "50",
+           "--json"]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(cmd + ["--model", str(TINY), "--runs-dir", str(runs)], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, count = time.monotonic() + 120, 0
+        while time.monotonic() < deadline and proc.poll() is None:
+            dbs = list(runs.glob("*/trials.sqlite"))
+            if dbs:
+                store = RunFolder(dbs[0].parent).store(readonly=True)
+                try:
+                    count = store.count()
+                finally:
+                    store.close()
+                if count >= 2:
+                    break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run finished before it could be killed:\n" + (tmp_path / "first.log").read_text()
+        assert count >= 2
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+    run = RunFolder(dbs[0].parent)
+    before = stored(run)
+    done_before = {(t.region, t.candidate_hash, t.generation) for t in before}
+    problems_before = _problem_hashes(run.path)
+
+    resumed = subprocess.run(cmd + ["--resume", str(run.path)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout)
+
+    after = stored(run)
+    keys = [(t.region, t.candidate_hash, t.generation) for t in after]
+    assert len(keys) == len(set(keys)), "a finished (region, candidate, generation) was run again"
+    assert done_before <= set(keys)
+    assert [t.model_dump() for t in after[: len(before)]] == [t.model_dump() for t in before]
+    assert summary["trials"] == len(after) - len(before)
+    assert len({t.candidate_hash for t in after}) <= 8  # the candidate cap holds across the kill
+    assert _problem_hashes(run.path) == problems_before
+
+
+# -- device generations ----------------------------------------------------------------------
+def _trial(digest: str, generation: str, status: Status = Status.ok, speedup: float | None = 1.5) -> Trial:
+    return Trial(region=REGION, candidate_hash=digest, status=status, generation=generation,
+                 speedup=speedup if status is Status.ok else None)
+
+
+def test_a_win_on_one_generation_and_a_failure_on_another_is_not_kept():
+    history = History({REGION: ["a", "b"]})
+    history.add(_trial("x", "a", speedup=3.0))
+    history.add(_trial("x", "b", Status.wrong))
+    history.add(_trial("only-a", "a", speedup=5.0))  # not yet run on b: not kept either
+    assert history.kept(REGION) == [] and history.best(REGION) is None
+    assert not history.tried(REGION, "only-a") and history.tried(REGION, "x")
+
+    # Ranked by the worst generation: a regression on b outweighs a big win on a.
+    history.add(_trial("uneven", "a", speedup=2.0))
+    history.add(_trial("uneven", "b", speedup=0.8))
+    history.add(_trial("steady", "a", speedup=1.2))
+    history.add(_trial("steady", "b", speedup=1.1))
+    assert [r.candidate_hash for r in history.kept(REGION)] == ["steady", "uneven"]
+    assert history.best(REGION).score(["a", "b"]) == pytest.approx(1.1)
+
+
+def test_parse_devices_simulates_generations_on_the_cpu():
+    slots, notes = parse_devices("cpu@a, cpu@b")
+    assert [(s.device, s.generation) for s in slots] == [("cpu", "a"), ("cpu", "b")] and notes == []
+    with pytest.raises(ValueError, match="unknown device"):
+        parse_devices("tpu")
+
+
+def test_every_candidate_is_tried_on_every_generation(run):
+    outcome, _, history = run_loop(run, StubPlanner([FAST_WRONG, RIGHT, SLOW.replace("{i}", "0")]),
+                                   StopRule(max_candidates=10, patience=10), devices="cpu@a,cpu@b")
+    trials = stored(run)
+    assert history.targets(REGION) == ["a", "b"]
+    by_candidate: dict[str, set[str]] = {}
+    for t in trials:
+        by_candidate.setdefault(t.candidate_hash, set()).add(t.generation)
+    assert by_candidate == {h(FAST_WRONG): {"a", "b"}, h(RIGHT): {"a", "b"}, h(SLOW.replace("{i}", "0")): {"a", "b"}}
+    assert len(trials) == 6 == outcome.trials_run
+    kept = history.kept(REGION)
+    assert {r.candidate_hash for r in kept} == {h(RIGHT), h(SLOW.replace("{i}", "0"))}
+    assert all(set(r.speedups()) == {"a", "b"} for r in kept)
+
+
+# -- budget validation -----------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, words", [
+    ("gpu_hours", math.nan, "finite"), ("gpu_hours", math.inf, "finite"), ("gpu_hours", -1.0, "non-negative"),
+    ("patience", -3, "non-negative"), ("max_candidates", -1, "non-negative"), ("max_usd", math.nan, "finite"),
+])
+def test_stop_rule_rejects_impossible_budgets(field, value, words):
+    with pytest.raises(ValueError) as info:
+        StopRule(**{field: value})
+    message = str(info.value)
+    assert field in message and words in message
