@@ -193,7 +193,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     if live is not None:
         live.start()
     try:
-        outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial)
+        outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial,
+                                        on_note=lambda note: err.print(f"note: {note}", markup=False))
         holder["budget"] = budget
     finally:
         if live is not None:

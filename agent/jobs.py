@@ -159,6 +159,7 @@ def check_model_unchanged(problem: Problem) -> None:
 
 def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: StopRule,
              on_trial: Callable[[Trial], None] = lambda t: None, limits: Limits | None = None,
+             on_note: Callable[[str], None] = lambda note: None,
              memory_gb: float = 8.0) -> tuple[Outcome, Budget]:
     problems = run.problems()
     if not problems:
@@ -170,7 +171,12 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
         slots, notes = parse_devices(devices)
     except (PlannerError, ValueError) as e:
         raise UserError(str(e)) from None
-    executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems], limits,
+    for note in notes:
+        on_note(note)
+    if any(s.device == "cpu" for s in slots) and any(p.device != "cpu" for p in problems):
+        on_note("the problems were frozen on a GPU but trials run on the CPU: CPU timings, and the "
+                "reference outputs come from another device")
+    executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems], limits or Limits(budget_ms=150),
                              triton_cache=str(run.path / ".triton-cache"), memory_gb=memory_gb)
     history = load_history(run, problems, executor.generations)
     store = run.store()

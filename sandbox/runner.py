@@ -8,8 +8,10 @@ raises across the boundary, so a night of crashing candidates costs trials, not 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +71,12 @@ def fresh_inputs(inputs: list[dict], generator: torch.Generator) -> list[dict]:
 
 
 class TrialRunner:
-    def __init__(self, device: str = "cpu", limits: Limits | None = None, config: WorkerConfig | None = None):
+    def __init__(self, device: str = "cpu", limits: Limits | None = None, config: WorkerConfig | None = None,
+                 device_lock: "threading.Lock | None" = None):
         self.device = device
+        # Held while this runner's worker verifies or times, so a sibling worker on the same
+        # device only compiles meanwhile and never disturbs a timing.
+        self.device_lock = device_lock or contextlib.nullcontext()
         self.limits = limits or Limits()
         self.worker = Worker(config or WorkerConfig(device=device))
         self.problems: dict[str, LoadedProblem] = {}
@@ -153,7 +159,8 @@ class TrialRunner:
         if not reply.ok:
             return self._fail(c, lp, reply)
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
-        reply = self.worker.request({"op": "verify", "output_bytes": out_bytes}, timeout=lim.run_s)
+        with self.device_lock:
+            reply = self.worker.request({"op": "verify", "output_bytes": out_bytes}, timeout=lim.run_s)
         self.phases["verify"] = reply.seconds
         if not reply.ok:
             return self._fail(c, lp, reply)
@@ -197,8 +204,9 @@ class TrialRunner:
 
     def _timing_request(self, lp: LoadedProblem, budget_ms: float) -> tuple[list[WorkloadTiming], Reply | None]:
         t0 = time.monotonic()
-        reply = self.worker.request({"op": "time", "sets": list(range(len(lp.inputs))), "budget_ms": budget_ms,
-                                     "max_reps": self.limits.max_reps}, timeout=self.limits.time_s)
+        with self.device_lock:
+            reply = self.worker.request({"op": "time", "sets": list(range(len(lp.inputs))), "budget_ms": budget_ms,
+                                         "max_reps": self.limits.max_reps}, timeout=self.limits.time_s)
         wall_ms = (time.monotonic() - t0) * 1e3
         self.phases["time"] = self.phases.get("time", 0.0) + wall_ms / 1e3
         if not reply.ok:

@@ -24,6 +24,7 @@ from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Status, Trial
 
 BUSY_MEMORY_BYTES = 2 << 30
+OWN_CONTEXT_BYTES = 1 << 30
 
 
 @dataclass
@@ -53,10 +54,13 @@ def parse_devices(spec: str | None) -> tuple[list[Slot], list[str]]:
         return slots, notes
     if torch.cuda.is_available():
         slots = []
+        torch.cuda.empty_cache()
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
-            if total - free > BUSY_MEMORY_BYTES:
-                notes.append(f"cuda:{i} left alone: {(total - free) / 2**30:.1f} GiB already in use by other work")
+            # Our own process (profiling, references) is not "other people's work".
+            others = total - free - torch.cuda.memory_reserved(i) - OWN_CONTEXT_BYTES
+            if others > BUSY_MEMORY_BYTES:
+                notes.append(f"cuda:{i} left alone: {others / 2**30:.1f} GiB in use by other work")
                 continue
             slots.append(Slot(f"cuda:{i}", _generation(f"cuda:{i}")))
         if slots:
@@ -75,15 +79,21 @@ def _generation(device: str) -> str:
 
 class LocalExecutor:
     def __init__(self, slots: list[Slot], problem_dirs: list[Path], limits: Limits | None = None,
-                 triton_cache: str | None = None, memory_gb: float = 8.0):
-        self.slots = slots
-        self.runners = []
+                 triton_cache: str | None = None, memory_gb: float = 8.0, workers_per_device: int | None = None):
+        """`workers_per_device` (default 2 on GPUs, 1 on the CPU): while one worker verifies or
+        times on the device (under the device's lock), the other imports and compiles the next
+        candidate and the tuner judges the last one's outputs, so the GPU does not wait."""
+        self.slots, self.runners, self.lanes = slots, [], []
+        locks = {s.device: threading.Lock() for s in slots if s.device != "cpu"}
         for s in slots:
-            r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, triton_cache=triton_cache,
-                                                            memory_gb=memory_gb))
-            for d in problem_dirs:
-                r.add_problem(d)
-            self.runners.append(r)
+            n = workers_per_device or (2 if s.device != "cpu" else 1)
+            for _ in range(n):
+                r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, triton_cache=triton_cache,
+                                                                memory_gb=memory_gb), device_lock=locks.get(s.device))
+                for d in problem_dirs:
+                    r.add_problem(d)
+                self.runners.append(r)
+                self.lanes.append(s)
         self.tokens = itertools.count()
 
     @property
@@ -97,7 +107,7 @@ class LocalExecutor:
         for job in jobs:
             queues[job[1]].put(job)
         results: queue.Queue = queue.Queue()
-        live = len(self.slots)
+        live = len(self.lanes)
 
         def work(slot: Slot, runner: TrialRunner) -> None:
             try:
@@ -123,7 +133,7 @@ class LocalExecutor:
             finally:
                 results.put(None)
 
-        threads = [threading.Thread(target=work, args=(s, r), daemon=True) for s, r in zip(self.slots, self.runners)]
+        threads = [threading.Thread(target=work, args=(s, r), daemon=True) for s, r in zip(self.lanes, self.runners)]
         for t in threads:
             t.start()
         while live:
