@@ -43,12 +43,12 @@ start = min(t.started_at for t in trials)
 end = max(t.finished_at for t in trials)
 search_wall = end - start
 busy = sum(t.phases.get("verify", 0) + t.phases.get("time", 0) for t in trials)
-held = sum(t.gpu_seconds for t in trials)
+held = sum(t.gpu_seconds for t in trials)  # charged device time (union over the device's workers)
 print(f"agent tune: {wall:.0f} s in all, search {search_wall:.0f} s, {len(trials)} trials, "
       f"stop: {summary['stop_reason']}")
 print(f"trials per GPU-hour (search wall): {len(trials) / (search_wall / 3600):.0f}; "
       f"GPU busy verifying or timing: {busy / search_wall:.0%} of the search's wall time "
-      f"(held by trials incl. compile: {held / search_wall:.0%})")
+      f"(GPU-hours charged: {held / 3600:.4f} of {hours} cap)")
 print(f"{'region':<16} {'trials':>6} {'ok':>4} {'best':>7} {'found at':>8} {'error':>9} {'tol':>12}  template / per-workload")
 for p in run.problems():
     ts = [t for t in trials if t.region == p.name]

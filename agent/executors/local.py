@@ -95,6 +95,17 @@ class LocalExecutor:
                 self.runners.append(r)
                 self.lanes.append(s)
         self.tokens = itertools.count()
+        self.charged_until: dict[str, float] = {}
+        self.charge_lock = threading.Lock()
+
+    def _charge(self, device: str, trial: Trial) -> float:
+        """Device seconds this trial adds: the part of its wall time not already charged to a
+        sibling worker on the same device, so a device costs its wall time, never more."""
+        end, start = trial.finished_at, trial.finished_at - trial.gpu_seconds
+        with self.charge_lock:
+            done = self.charged_until.get(device, 0.0)
+            self.charged_until[device] = max(done, end)
+            return max(0.0, end - max(start, done))
 
     @property
     def generations(self) -> list[str]:
@@ -128,6 +139,8 @@ class LocalExecutor:
                         budget.cancel(token)
                         return
                     trial.generation = slot.generation
+                    trial.phases["wall"] = trial.gpu_seconds
+                    trial.gpu_seconds = self._charge(slot.device, trial)
                     budget.finish(token, trial)
                     results.put(trial)
             finally:
