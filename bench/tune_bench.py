@@ -70,3 +70,6 @@ for t in trials:
     if t.status.value != "ok":
         fails[t.status.value] = fails.get(t.status.value, 0) + 1
 print(f"rejected: {fails}")
+for status in fails:
+    t = next(t for t in trials if t.status.value == status)
+    print(f"  e.g. {status}: {t.region} {t.template}: {t.reason[:150]}")
