@@ -18,11 +18,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from importlib.resources import files
 
 import jinja2
 
 from agent.planners import bindings as rules
+from agent.prompting import prompts_dir
 from tools.problem import Problem
 
 
@@ -168,10 +168,7 @@ def _py(value) -> str:
 
 
 def _load(name: str) -> str:
-    path = files("prompts")  # a namespace package: one segment at a time (Python 3.11)
-    for part in name.split("/"):
-        path = path.joinpath(part)
-    return path.read_text()
+    return (prompts_dir() / name).read_text()
 
 
 @cache
