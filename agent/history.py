@@ -43,6 +43,15 @@ class History:
         self.generations = generations or {}
         """Per region: the generations a candidate must pass on."""
 
+    def snapshot(self) -> "History":
+        """A copy a planner can read in another thread while the loop keeps adding trials."""
+        copy = History(self.generations)
+        copy.trials = list(self.trials)
+        for key, rec in list(self.records.items()):
+            copy.records[key] = CandidateRecord(rec.region, rec.candidate_hash, rec.template, rec.params,
+                                                rec.planner, dict(rec.by_generation))
+        return copy
+
     def add(self, trial: Trial) -> CandidateRecord:
         self.trials.append(trial)
         key = (trial.region, trial.candidate_hash)

@@ -12,6 +12,7 @@ workers. Resume is the same loop over a store that already holds trials: finishe
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -49,40 +50,69 @@ def load_history(run: RunFolder, problems: list[Problem], generations: list[str]
 
 def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Executor, budget: Budget,
          history: History, on_trial: Callable[[Trial], None] = lambda t: None,
-         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2) -> Outcome:
+         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2,
+         prefetch_at: float = 0.5) -> Outcome:
+    """Rounds until a stop rule fires. The next round is planned in the background once
+    `prefetch_at` of the current round has finished, so devices do not wait while a planner
+    (an LLM, say) thinks; that plan sees every result finished by then."""
     store = run.store()
     for rec in history.records.values():  # patience picks up where a resumed run left off
         budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
     rounds = trials_run = 0
+    lanes = max(1, len(getattr(executor, "runners", [])) or len(executor.generations))
+
+    def plan() -> list[Candidate]:
+        snapshot = history.snapshot()
+        open_regions = [p for p in problems if budget.region_open(p.name)]
+        n = max(1, batch_per_device * lanes // max(1, len(open_regions)))
+        return [c for p in open_regions for c in planner.propose(p, snapshot, n)]
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-planner")
     try:
+        upcoming = pool.submit(plan)
         while not should_stop():
-            open_regions = [p for p in problems if budget.region_open(p.name)]
-            if not open_regions:
+            if not any(budget.region_open(p.name) for p in problems):
                 budget.stop_reason = budget.stop_reason or "patience: no region improved for a while"
                 break
-            n = max(1, batch_per_device * len(executor.generations) * 2 // len(open_regions))
             jobs = []
-            for problem in open_regions:
-                fresh = [c for c in planner.propose(problem, history, n) if not history.tried(c.region, c.hash)]
-                for c in fresh[: budget.admit(len(fresh))]:
-                    path = str(run.save_candidate(c.source, c.hash))
-                    jobs += [(c, g, path) for g in history.targets(problem.name)
-                             if not history.done(c.region, c.hash, g)]
+            fresh = _unique(upcoming.result(), history)
+            for c in fresh[: budget.admit(len(fresh))]:
+                path = str(run.save_candidate(c.source, c.hash))
+                jobs += [(c, g, path) for g in history.targets(c.region) if not history.done(c.region, c.hash, g)]
             if not jobs:
-                budget.stop_reason = budget.stop_reason or "planners have nothing new to try"
+                budget.stop_reason = budget.stop_reason or _idle_reason(planner)
                 break
             rounds += 1
-            for trial in executor.run(jobs, budget, should_stop):
+            upcoming = None
+            for done, trial in enumerate(executor.run(jobs, budget, should_stop), 1):
                 store.record(trial)
                 rec = history.add(trial)
                 trials_run += 1
                 if rec.kept(history.targets(rec.region)) or trial.ranked:
                     budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
                 on_trial(trial)
+                if upcoming is None and done >= prefetch_at * len(jobs):
+                    upcoming = pool.submit(plan)
+            upcoming = upcoming or pool.submit(plan)
             if budget.stop_reason.startswith("GPU-hours"):
                 break
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         store.event("stop", reason=budget.stop_reason or "interrupted", trials=trials_run)
         store.close()
     best = {p.name: (b.score(history.targets(p.name)) if (b := history.best(p.name)) else 0.0) for p in problems}
     return Outcome(budget.stop_reason or "interrupted", trials_run, rounds, best)
+
+
+def _unique(candidates: list[Candidate], history: History) -> list[Candidate]:
+    seen, out = set(), []
+    for c in candidates:
+        if (c.region, c.hash) not in seen and not history.tried(c.region, c.hash):
+            seen.add((c.region, c.hash))
+            out.append(c)
+    return out
+
+
+def _idle_reason(planner: Planner) -> str:
+    stopped = [p.stopped for p in getattr(planner, "planners", [planner]) if getattr(p, "stopped", "")]
+    return stopped[0] if stopped else "planners have nothing new to try"

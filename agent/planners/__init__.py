@@ -22,9 +22,21 @@ class PlannerError(Exception):
 
 
 def make_planner(spec: str, **options) -> Planner:
-    from agent.planners.template import TemplatePlanner
+    """`template`, `files`, `anthropic`, `openai`, or several joined by commas. LLM planners
+    need their API key; a missing key is an error, never a silent switch to another planner."""
     from agent.planners.files import FilesPlanner
-    table = {"template": TemplatePlanner, "files": FilesPlanner}
+    from agent.planners.template import TemplatePlanner
+
+    def llm(provider: str):
+        def build(**opts):
+            from agent.llm import make_client
+            from agent.planners.llm import LLMPlanner
+            client = make_client(provider, model=opts.get("llm_model"), base_url=opts.get("base_url"))
+            return LLMPlanner(client, **opts)
+        return build
+
+    table = {"template": TemplatePlanner, "files": FilesPlanner, "anthropic": llm("anthropic"),
+             "openai": llm("openai")}
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in table]
     if not names or unknown:

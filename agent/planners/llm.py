@@ -1,0 +1,176 @@
+"""The LLM planner: a model reads the hotspot, the roofline numbers and what has been tried,
+and proposes kernel rewrites and fusions. The tolerance still decides.
+
+Each region keeps its own short conversation: the first message is the problem (rendered from
+`prompts/llm/propose.j2`), and every later round starts with the results of the model's last
+proposals (`feedback.j2`) followed by the refreshed problem, so the model learns from what
+failed. Answers are parsed into candidates with pydantic; a malformed answer is recorded with
+its raw text and skipped. Calls and their cost go to the run's store; past `--max-usd` the
+planner stops proposing, cleanly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import threading
+from typing import Any, Callable
+
+import jinja2
+from pydantic import BaseModel, Field, ValidationError
+
+from agent.history import History
+from agent.prompting import render_prompt
+from tools.problem import Problem
+from tools.trial import Candidate
+
+KEEP_EXCHANGES = 2
+"""Past (answer, feedback) pairs kept in a region's conversation, besides the first prompt."""
+
+
+class LLMCandidate(BaseModel):
+    source: str
+    note: str = ""
+    tunables: dict[str, list[int | float | str | bool]] = Field(default_factory=dict)
+
+
+class LLMAnswer(BaseModel):
+    candidates: list[LLMCandidate]
+
+
+class MalformedAnswer(ValueError):
+    pass
+
+
+def parse_answer(text: str) -> list[LLMCandidate]:
+    """The JSON object the prompt asks for; failing that, fenced python blocks."""
+    body = text.strip()
+    fenced = re.search(r"```(?:json)?\s*(\{.*\})\s*```", body, re.S)
+    candidates_json = fenced.group(1) if fenced else body[body.find("{"): body.rfind("}") + 1]
+    if candidates_json:
+        try:
+            return LLMAnswer.model_validate_json(candidates_json).candidates
+        except ValidationError as e:
+            json_error = f"not the expected JSON: {e.errors()[0]['msg']}"
+    else:
+        json_error = "no JSON object"
+    blocks = [b for b in re.findall(r"```python\s*\n(.*?)```", body, re.S) if "def forward" in b]
+    if blocks:
+        return [LLMCandidate(source=b) for b in blocks]
+    raise MalformedAnswer(json_error)
+
+
+def render_source(c: LLMCandidate, values: dict[str, Any]) -> str:
+    """Fill `{{ NAME }}` placeholders of a tunable candidate (strict: every name must be given)."""
+    if not c.tunables:
+        return c.source
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(c.source).render(**values)
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.4f} ms" if value else "unknown"
+
+
+class LLMPlanner:
+    def __init__(self, client, record: Callable[..., None] = lambda **kw: None,
+                 usd_spent: Callable[[], float] = lambda: 0.0, max_usd: float | None = None,
+                 device: str = "the target GPU", **_):
+        self.client = client
+        self.name = client.provider
+        self.record = record
+        self.usd_spent = usd_spent
+        self.max_usd = max_usd
+        self.device = device
+        self.conversations: dict[str, list[dict]] = {}
+        self.proposed: dict[str, list[tuple[str, str]]] = {}
+        self.malformed: dict[str, str] = {}
+        self.stopped = ""
+        self.lock = threading.Lock()
+
+    def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
+        if self.max_usd is not None and self.usd_spent() >= self.max_usd:
+            self.stopped = f"dollar cap: ${self.usd_spent():.2f} spent of ${self.max_usd:.2f}"
+            return []
+        messages = self._messages(problem, history, n)
+        from agent.llm import LLMError
+        try:
+            reply = self.client.complete(render_prompt("llm/system.j2", tolerance_kind=problem.tolerance.kind),
+                                         messages)
+        except LLMError as e:
+            self.record(kind="llm_error", region=problem.name, error=str(e))
+            return []
+        self.record(kind="llm_call", region=problem.name, reply=reply)
+        self.conversations[problem.name] = messages + [{"role": "assistant", "content": reply.text}]
+        try:
+            parsed = parse_answer(reply.text)
+        except MalformedAnswer as e:
+            self.malformed[problem.name] = str(e)
+            self.record(kind="malformed_answer", region=problem.name, error=str(e), raw=reply.text[:20000])
+            return []
+        self.malformed.pop(problem.name, None)
+        out = []
+        for c in parsed[:n]:
+            values = {k: v[0] for k, v in c.tunables.items() if v}
+            try:
+                source = render_source(c, values)
+            except jinja2.TemplateError as e:
+                self.record(kind="malformed_answer", region=problem.name, error=f"placeholders: {e}",
+                            raw=c.source[:20000])
+                continue
+            params = {"tunables": c.tunables, "tune": values, "template_source": c.source} if c.tunables else {}
+            out.append(Candidate(region=problem.name, source=source, planner=self.name, params=params,
+                                 note=c.note[:500]))
+        self.proposed[problem.name] = [(c.hash, c.note) for c in out]
+        return out
+
+    # -- the conversation ----------------------------------------------------------------------
+    def _messages(self, problem: Problem, history: History, n: int) -> list[dict]:
+        past = self.conversations.get(problem.name, [])
+        propose = render_prompt("llm/propose.j2", **self.context(problem, history, n))
+        if not past:
+            return [{"role": "user", "content": propose}]
+        feedback = render_prompt("llm/feedback.j2", region=problem.name, results=self._results(problem, history),
+                                 malformed=self.malformed.get(problem.name, ""))
+        # The first prompt, then the last few exchanges: enough memory, bounded cost.
+        head, tail = past[:1], past[1:][-(2 * KEEP_EXCHANGES - 1):]
+        if tail and tail[0]["role"] != "assistant":
+            tail = tail[1:]
+        return head + tail + [{"role": "user", "content": feedback + "\n\n" + propose}]
+
+    def _results(self, problem: Problem, history: History) -> list[dict]:
+        out = []
+        for digest, note in self.proposed.get(problem.name, []):
+            rec = history.records.get((problem.name, digest))
+            if rec is None:
+                out.append({"hash": digest, "note": note, "status": "still running", "speedup": None,
+                            "error": None, "tolerance": str(problem.tolerance), "reason": ""})
+                continue
+            t = rec.failed() or next(iter(rec.by_generation.values()))
+            out.append({"hash": digest, "note": note, "status": t.status.value, "speedup": t.speedup,
+                        "error": t.error, "tolerance": str(problem.tolerance), "reason": t.reason})
+        return out
+
+    def context(self, problem: Problem, history: History, n: int) -> dict[str, Any]:
+        gens = history.targets(problem.name)
+        best = []
+        for rec in history.kept(problem.name)[:3]:
+            t = next(iter(rec.by_generation.values()))
+            source = _source_of(t.candidate_path)
+            diff = "".join(difflib.unified_diff(problem.region_source.splitlines(True), source.splitlines(True),
+                                                "original", rec.candidate_hash, n=2))
+            best.append({"hash": rec.candidate_hash, "planner": rec.planner, "template": rec.template,
+                         "speedup": rec.score(gens), "error": t.error or 0.0, "timings": t.timings,
+                         "diff": diff[:6000]})
+        failures = [{"hash": t.candidate_hash, "status": t.status.value, "reason": t.reason[:300],
+                     "error_text": t.error_text[-800:].strip()} for t in history.failures(problem.name, 5)]
+        return {"problem": problem, "weights": problem.weights, "device": self.device, "best": best,
+                "failures": failures, "n": n, "fmt_ms": _ms}
+
+
+def _source_of(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, TypeError):
+        return ""
