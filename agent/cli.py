@@ -141,7 +141,12 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
 @_guard
 def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file: profile, freeze, then search."),
          resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder."),
-         planner: str = typer.Option("template", help="template, files, or several: template,files."),
+         planner: str = typer.Option("template", help="template, anthropic, openai, files, or several: "
+                                     "template,anthropic."),
+         llm_model: Optional[str] = typer.Option(None, help="Model for LLM planners (default: "
+                                                 "$NIGHTSHIFT_ANTHROPIC_MODEL / $NIGHTSHIFT_OPENAI_MODEL)."),
+         base_url: Optional[str] = typer.Option(None, help="API base URL (OpenAI-compatible servers too)."),
+         max_usd: Optional[float] = typer.Option(None, help="Stop LLM proposals past this many dollars."),
          devices: Optional[str] = typer.Option(None, help="cuda:0,cuda:1 | cpu | cpu@a,cpu@b (default: idle GPUs)."),
          device: str = typer.Option("auto", help="Device for profiling and the frozen references."),
          workload: Optional[str] = typer.Option(None, help="Use one named workload only."),
@@ -159,7 +164,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     from tools.runfolder import RunFolder
     if (model is None) == (resume is None):
         _fail("give either --model FILE (a new run) or --resume RUN (continue one)")
-    rule = _stop_rule(gpu_hours, max_candidates, patience)
+    rule = _stop_rule(gpu_hours, max_candidates, patience, max_usd)
+    jobs.check_planner(planner, llm_model, base_url)
     if resume is not None:
         run = RunFolder.open(resume)
     else:
@@ -193,7 +199,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     if live is not None:
         live.start()
     try:
-        outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial,
+        outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial, llm_model=llm_model,
+                                        base_url=base_url,
                                         on_note=lambda note: err.print(f"note: {note}", markup=False))
         holder["budget"] = budget
     finally:
@@ -242,6 +249,30 @@ def report_(run: Path = typer.Argument(..., help="Run folder.")):
     from agent import report
     from tools.runfolder import RunFolder
     out.print(f"wrote {report.write(RunFolder.open(run))}")
+
+
+skill_app = typer.Typer(no_args_is_help=True, help="The coding-agent skill (Claude Code, Codex).")
+app.add_typer(skill_app, name="skill")
+
+
+@skill_app.command("install")
+def skill_install(claude: bool = typer.Option(False, "--claude", help="Claude Code: .claude/skills/nightshift/SKILL.md."),
+                  codex: bool = typer.Option(False, "--codex", help="Codex: a nightshift section in AGENTS.md."),
+                  user: bool = typer.Option(False, "--user", help="Into your home (~/.claude, ~/.codex) instead."),
+                  project: Path = typer.Option(Path("."), "--project", help="Project folder (default: here)."),
+                  json_out: bool = typer.Option(False, "--json", help="The files written, as JSON.")):
+    """Install the skill for Claude Code and/or Codex (default: both) into a project or your home."""
+    from agent.skill import SkillError, install
+    targets = [t for t, chosen in (("claude", claude), ("codex", codex)) if chosen] or ["claude", "codex"]
+    try:
+        written = [p for t in targets for p in install(t, project, Path.home(), user=user)]
+    except (SkillError, OSError) as e:
+        _fail(str(e))
+    if json_out:
+        _emit_json({"written": [str(p) for p in written]})
+    else:
+        for p in written:
+            out.print(f"wrote {p}", markup=False, highlight=False)
 
 
 def main() -> None:

@@ -148,6 +148,31 @@ def try_candidate(target: Path, candidate: Path, region: str | None, device: str
     return trial
 
 
+def _recorder(run: RunFolder) -> Callable[..., None]:
+    """Where planners note LLM calls, their cost, and answers that could not be read. Opens
+    the store per call: planners run in their own thread, and SQLite connections do not move."""
+    def record(kind: str, region: str = "", reply=None, error: str = "", raw: str = "") -> None:
+        store = run.store()
+        try:
+            if kind == "llm_call":
+                store.record_llm_call(reply, purpose=f"propose {region}")
+            elif kind == "llm_error":
+                store.record_llm_call({"ok": False, "error": error, "purpose": f"propose {region}"})
+            else:
+                store.event(kind, region=region, error=error, raw=raw)
+        finally:
+            store.close()
+    return record
+
+
+def _usd(run: RunFolder) -> float:
+    store = run.store()
+    try:
+        return store.llm_usd()
+    finally:
+        store.close()
+
+
 def check_model_unchanged(problem: Problem) -> None:
     path = Path(problem.model_file)
     if not path.is_file():
@@ -157,9 +182,18 @@ def check_model_unchanged(problem: Problem) -> None:
                         "profile again to freeze new problems")
 
 
+def check_planner(spec: str, llm_model: str | None = None, base_url: str | None = None) -> None:
+    """Fail before profiling when the planner cannot work (unknown name, missing API key)."""
+    try:
+        make_planner(spec, llm_model=llm_model, base_url=base_url)
+    except PlannerError as e:
+        raise UserError(str(e)) from None
+
+
 def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: StopRule,
              on_trial: Callable[[Trial], None] = lambda t: None, limits: Limits | None = None,
              on_note: Callable[[str], None] = lambda note: None,
+             llm_model: str | None = None, base_url: str | None = None,
              memory_gb: float = 8.0) -> tuple[Outcome, Budget]:
     problems = run.problems()
     if not problems:
@@ -167,8 +201,10 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
     for p in problems:
         check_model_unchanged(p)
     try:
-        planner = make_planner(planner_spec, inbox=run.inbox)
         slots, notes = parse_devices(devices)
+        planner = make_planner(planner_spec, inbox=run.inbox, llm_model=llm_model, base_url=base_url,
+                               max_usd=stop_rule.max_usd, record=_recorder(run), usd_spent=lambda: _usd(run),
+                               device=", ".join(sorted({s.generation for s in slots})))
     except (PlannerError, ValueError) as e:
         raise UserError(str(e)) from None
     for note in notes:

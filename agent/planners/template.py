@@ -15,6 +15,7 @@ import random
 
 from agent.history import CandidateRecord, History
 from agent.planners.library import KernelTemplate, TEMPLATES, applicable, default_params, render
+from agent.planners.llm import LLMCandidate, render_source
 from tools.problem import Problem
 from tools.trial import Candidate, Status
 
@@ -46,11 +47,13 @@ class TemplatePlanner:
         def offer(c: Candidate) -> None:
             if c.hash not in out and not history.tried(problem.name, c.hash):
                 out[c.hash] = c
+        offer.seen = out
 
         for t, b in arms.values():  # exploration: every fitting template and binding, default point
             if len(out) >= n:
                 break
             offer(self.candidate(problem, t, b, default_params(t)))
+        self._retune_llm_kernels(problem, history, rng, (n - len(out) + 1) // 2, offer)
         records = [r for r in history.region_records(problem.name) if r.template in TEMPLATES]
         dead = {self._arm_of(r) for r in records if (f := r.failed()) is not None and f.status in DEAD}
         kept = [r for r in history.kept(problem.name) if r.template in TEMPLATES and self._arm_of(r) in arms]
@@ -68,7 +71,7 @@ class TemplatePlanner:
                 if mates and rng.random() < 0.3:
                     other = rng.choice(mates).params.get("tune", {})
                     params = {k: rng.choice([params.get(k), other.get(k)]) for k in t.space}
-                params = self._mutate(t, params, rng)
+                params = self._mutate(t.space, params, rng)
                 if t.fits(params):
                     offer(self.candidate(problem, t, b, params, [p.candidate_hash]))
             elif retry:
@@ -88,12 +91,33 @@ class TemplatePlanner:
         weights = [1.0 / (i + 1) for i in range(len(parents))]
         return rng.choices(parents, weights=weights)[0]
 
+    def _retune_llm_kernels(self, problem: Problem, history: History, rng: random.Random, room: int,
+                            offer) -> None:
+        """Kept LLM-written kernels that declared tunables get their parameters searched too."""
+        parents = [r for r in history.kept(problem.name) if r.params.get("template_source") and
+                   r.params.get("tunables")][: self.parents]
+        for _ in range(4 * room):
+            if not parents or room <= 0:
+                return
+            p = self._pick(parents, rng)
+            space = {k: tuple(v) for k, v in p.params["tunables"].items() if v}
+            tune = self._mutate(space, p.params.get("tune", {}), rng)
+            try:
+                source = render_source(LLMCandidate(source=p.params["template_source"], tunables=space), tune)
+            except Exception:  # placeholders the kernel's author got wrong: nothing to tune
+                return
+            before = len(offer.seen)
+            offer(Candidate(region=problem.name, source=source, planner=self.name,
+                            template=f"{p.planner}:{p.candidate_hash}",
+                            params={**p.params, "tune": tune}, parents=[p.candidate_hash]))
+            room -= len(offer.seen) - before
+
     @staticmethod
-    def _mutate(t: KernelTemplate, params: dict, rng: random.Random) -> dict:
-        params = {k: params.get(k, v[0]) for k, v in t.space.items()}
-        keys = [k for k, v in t.space.items() if len(v) > 1]
+    def _mutate(space: dict[str, tuple], params: dict, rng: random.Random) -> dict:
+        params = {k: params.get(k, v[0]) for k, v in space.items()}
+        keys = [k for k, v in space.items() if len(v) > 1]
         for k in rng.sample(keys, min(len(keys), rng.choice((1, 1, 2)))):
-            raw = list(t.space[k])
+            raw = list(space[k])
             values = sorted(raw) if all(isinstance(v, (int, float)) for v in raw) else raw
             i = values.index(params[k]) if params[k] in values else 0
             if rng.random() < 0.7:  # a neighbouring value: most gains are local
