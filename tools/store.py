@@ -45,6 +45,20 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL,
     body TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS llm_calls (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    provider TEXT NOT NULL,
+    model TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    usd REAL NOT NULL,
+    seconds REAL,
+    attempts INTEGER,
+    ok INTEGER NOT NULL,
+    error TEXT,
+    purpose TEXT
+);
 """
 
 
@@ -74,6 +88,27 @@ class Store:
         with self.db:
             self.db.execute("INSERT INTO events (at, kind, body) VALUES (?,?,?)",
                             (time.time(), kind, json.dumps(body)))
+
+    def record_llm_call(self, call, purpose: str = "") -> None:
+        """One LLM request, answered or failed for good: `call` is an `agent.llm.Reply`, an
+        `agent.llm.LLMError`, or a dict of the table's columns."""
+        failed = isinstance(call, BaseException)
+        get = call.get if isinstance(call, dict) else lambda name, default=None: getattr(call, name, default)
+        with self.db:
+            self.db.execute(
+                "INSERT INTO llm_calls (at, provider, model, input_tokens, output_tokens, usd, seconds, attempts,"
+                " ok, error, purpose) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (time.time(), get("provider", ""), get("model", ""), get("input_tokens", 0) or 0,
+                 get("output_tokens", 0) or 0, get("usd", 0.0) or 0.0, get("seconds"), get("attempts"),
+                 int(not failed and get("ok", True)), str(call) if failed else get("error"),
+                 purpose or get("purpose")))
+
+    def llm_usd(self) -> float:
+        """USD spent on LLM calls so far (0 for a run from before the table existed)."""
+        try:
+            return float(self.db.execute("SELECT COALESCE(SUM(usd), 0) FROM llm_calls").fetchone()[0])
+        except sqlite3.OperationalError:  # opened read-only, older schema
+            return 0.0
 
     def trials(self, region: str | None = None) -> Iterator[Trial]:
         q, args = "SELECT body FROM trials", ()
