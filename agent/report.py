@@ -15,8 +15,14 @@ def write(run: RunFolder) -> Path:
     info = run.info()
     kind = "CPU timings (not GPU numbers)" if all(p.device == "cpu" for p in problems) else "GPU timings"
     spent = sum(t.gpu_seconds for t in history.trials)
+    store = run.store(readonly=True)
+    try:
+        usd = store.llm_usd()
+    finally:
+        store.close()
     lines = [f"# nightshift report: {run.run_id}", "",
-             f"Model `{info.model_file}` · {len(history.trials)} trials · {spent / 3600:.4f} device-hours · {kind}", "",
+             f"Model `{info.model_file}` · {len(history.trials)} trials · {spent / 3600:.4f} device-hours · "
+             f"${usd:.2f} of LLM calls · {kind}", "",
              "| region | share of model | trials | passing | best speedup | per generation | error / tolerance | template |",
              "|---|---|---|---|---|---|---|---|"]
     for p in problems:

@@ -24,7 +24,7 @@ def expected(path: Path) -> str:
 def runner(frozen_run, monkeypatch_module):
     # A secret in the tuner's environment must never reach candidate code.
     monkeypatch_module.setenv("ANTHROPIC_API_KEY", "sk-ant-test-not-a-real-key")
-    r = TrialRunner("cpu", Limits(compile_s=20, run_s=8, time_s=60, budget_ms=50, max_reps=20),
+    r = TrialRunner("cpu", Limits(compile_s=30, run_s=8, time_s=60, budget_ms=50, max_reps=20),
                     WorkerConfig(device="cpu", memory_gb=6))
     r.add_problem(frozen_run / "LlamaRMSNorm")
     yield r
