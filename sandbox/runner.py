@@ -86,7 +86,7 @@ class TrialRunner:
 
     # -- set-up ----------------------------------------------------------------------------
     def add_problem(self, folder: Path) -> LoadedProblem:
-        folder = Path(folder)
+        folder = Path(folder).resolve()  # the worker runs in a folder of its own
         problem = Problem.load(folder)
         inputs, reference, _ = problem.load_tensors(folder)
         lp = LoadedProblem(problem, folder, inputs, reference, [tensor_hash(s) for s in inputs])
