@@ -121,7 +121,8 @@ class LLMPlanner:
             params = {"tunables": c.tunables, "tune": values, "template_source": c.source} if c.tunables else {}
             out.append(Candidate(region=problem.name, source=source, planner=self.name, params=params,
                                  note=c.note[:500]))
-        self.proposed[problem.name] = [(c.hash, c.note) for c in out]
+        # Results still running now are reported in a later round's feedback, not lost.
+        self.proposed.setdefault(problem.name, []).extend((c.hash, c.note) for c in out)
         return out
 
     # -- the conversation ----------------------------------------------------------------------
@@ -139,16 +140,20 @@ class LLMPlanner:
         return head + tail + [{"role": "user", "content": feedback + "\n\n" + propose}]
 
     def _results(self, problem: Problem, history: History) -> list[dict]:
-        out = []
+        """Every proposal not yet reported: finished ones with their verdict (then dropped from
+        the pending list), running ones as such (reported again next round)."""
+        out, pending = [], []
         for digest, note in self.proposed.get(problem.name, []):
             rec = history.records.get((problem.name, digest))
             if rec is None:
+                pending.append((digest, note))
                 out.append({"hash": digest, "note": note, "status": "still running", "speedup": None,
                             "error": None, "tolerance": str(problem.tolerance), "reason": ""})
                 continue
             t = rec.failed() or next(iter(rec.by_generation.values()))
             out.append({"hash": digest, "note": note, "status": t.status.value, "speedup": t.speedup,
                         "error": t.error, "tolerance": str(problem.tolerance), "reason": t.reason})
+        self.proposed[problem.name] = pending
         return out
 
     def context(self, problem: Problem, history: History, n: int) -> dict[str, Any]:
