@@ -1,0 +1,71 @@
+"""What integration found: the winners applied to the whole model, checked end to end.
+
+Written to `runs/<run>/integration.json` by `tools.integrate`, read by the report and by
+`agent apply`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+INTEGRATION_FILE = "integration.json"
+
+
+class AcceptedRegion(BaseModel):
+    region: str
+    """Problem name (the region's class)."""
+    candidate_hash: str
+    candidate_path: str
+    planner: str = ""
+    template: str | None = None
+    region_speedup: float | None = None
+    """The region's own speedup from the search (weighted over workloads)."""
+
+
+class DroppedCandidate(BaseModel):
+    region: str
+    candidate_hash: str
+    reason: str
+    """Why it was not kept end to end, e.g. 'end-to-end error 0.21 > tolerance abs 0.0625 on prefill'."""
+
+
+class WorkloadResult(BaseModel):
+    name: str
+    weight: float = 1.0
+    eager_ms: float
+    """The untouched model, timed side by side with the tuned one in the same worker."""
+    tuned_ms: float | None = None
+    speedup: float | None = None
+    error: float | None = None
+    """End-to-end error of the tuned model against the frozen model outputs."""
+    tolerance: str = ""
+    baselines: dict[str, float | None] = Field(default_factory=dict)
+    """`torch.compile`, `max-autotune-no-cudagraphs`, `reduce-overhead` -> ms (None: failed)."""
+    floor_ms: float | None = None
+
+
+class IntegrationResult(BaseModel):
+    device: str
+    device_name: str = ""
+    generation: str = ""
+    timing_kind: str = "cpu"
+    accepted: list[AcceptedRegion] = Field(default_factory=list)
+    dropped: list[DroppedCandidate] = Field(default_factory=list)
+    workloads: list[WorkloadResult] = Field(default_factory=list)
+    baseline_errors: dict[str, str] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=time.time)
+
+    def save(self, run_path: Path) -> Path:
+        path = Path(run_path) / INTEGRATION_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, run_path: Path) -> "IntegrationResult | None":
+        path = Path(run_path) / INTEGRATION_FILE
+        return cls.model_validate_json(path.read_text()) if path.is_file() else None
