@@ -262,7 +262,8 @@ def tensor_hash(obj: Any) -> str:
         if isinstance(x, torch.Tensor):
             t = x.detach().to("cpu").contiguous()
             h.update(f"T{tuple(t.shape)}{t.dtype}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():
+                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
         elif isinstance(x, dict):
             for k in sorted(x):
                 h.update(f"K{k}".encode())

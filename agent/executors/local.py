@@ -80,13 +80,13 @@ def _generation(device: str) -> str:
 class LocalExecutor:
     def __init__(self, slots: list[Slot], problem_dirs: list[Path], limits: Limits | None = None,
                  triton_cache: str | None = None, memory_gb: float = 8.0, workers_per_device: int | None = None):
-        """`workers_per_device` (default 2 on GPUs, 1 on the CPU): while one worker verifies or
-        times on the device (under the device's lock), the other imports and compiles the next
-        candidate and the tuner judges the last one's outputs, so the GPU does not wait."""
+        """`workers_per_device` (default 3 on GPUs, 1 on the CPU): while one worker verifies or
+        times on the device (under the device's lock), the others import and compile their next
+        candidates and the tuner judges the last outputs, so the GPU does not wait."""
         self.slots, self.runners, self.lanes = slots, [], []
         locks = {s.device: threading.Lock() for s in slots if s.device != "cpu"}
         for s in slots:
-            n = workers_per_device or (2 if s.device != "cpu" else 1)
+            n = workers_per_device or (3 if s.device != "cpu" else 1)
             for _ in range(n):
                 r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, triton_cache=triton_cache,
                                                                 memory_gb=memory_gb), device_lock=locks.get(s.device))
