@@ -41,7 +41,9 @@ class Budget:
         """Reserve device time for one trial; False (and a stop reason) if it would pass the cap."""
         with self.lock:
             est = self.estimate()
-            if self.spent + sum(self.in_flight.values()) + est > self.cap_seconds:
+            # Trials in flight are expected to cost what trials cost now, not the guess made
+            # when they started (the first launches only had a default to go on).
+            if self.spent + est * len(self.in_flight) + est > self.cap_seconds:
                 self.stop_reason = (f"GPU-hours cap: {self.spent / 3600:.4f} h spent of {self.rule.gpu_hours:g} h, "
                                     f"next trial would take ~{est:.0f} s")
                 return False
@@ -52,7 +54,8 @@ class Budget:
         with self.lock:
             self.in_flight.pop(token, None)
             self.spent += trial.gpu_seconds
-            self.recent.append(trial.gpu_seconds)
+            # A worker's one-time start is real cost (charged) but no guide to the next trial.
+            self.recent.append(max(0.0, trial.gpu_seconds - trial.phases.get("start", 0.0)))
 
     def cancel(self, token: int) -> None:
         with self.lock:

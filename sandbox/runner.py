@@ -124,8 +124,9 @@ class TrialRunner:
 
     # -- one trial ---------------------------------------------------------------------------
     def run(self, candidate: Candidate, *, candidate_path: str = "", do_time: bool = True) -> Trial:
-        t0 = time.monotonic()
+        t0, started, self.phases = time.monotonic(), time.time(), {}
         trial = self._run(candidate, do_time)
+        trial.started_at = started
         trial.candidate_path = candidate_path
         trial.gpu_seconds = time.monotonic() - t0
         trial.phases = dict(self.phases)
@@ -149,10 +150,13 @@ class TrialRunner:
         if lp is None:
             return Trial(**self._base(c, None), status=Status.compile_error,
                          reason=f"no problem named {c.region!r} in this run")
+        t_start = time.monotonic()
         bad = self._ensure_worker()
+        if self.worker_starts_seen == self.worker.starts and time.monotonic() - t_start > 0.5:
+            self.phases["start"] = time.monotonic() - t_start  # a worker (re)start, once per worker
         if bad is not None:
             return self._fail(c, lp, Reply(False, status="lost", error=bad.error))
-        lim, self.phases = self.limits, {}
+        lim = self.limits
         reply = self.worker.request({"op": "load", "problem": c.region, "source": c.source, "hash": c.hash},
                                     timeout=lim.compile_s)
         self.phases["load"] = reply.seconds
@@ -203,8 +207,8 @@ class TrialRunner:
                      speedup=speedup, flags=flags, **numbers)
 
     def _timing_request(self, lp: LoadedProblem, budget_ms: float) -> tuple[list[WorkloadTiming], Reply | None]:
-        t0 = time.monotonic()
         with self.device_lock:
+            t0 = time.monotonic()  # after the lock: waiting for a sibling is not this trial's timing
             reply = self.worker.request({"op": "time", "sets": list(range(len(lp.inputs))), "budget_ms": budget_ms,
                                          "max_reps": self.limits.max_reps}, timeout=self.limits.time_s)
         wall_ms = (time.monotonic() - t0) * 1e3
