@@ -251,6 +251,54 @@ def report_(run: Path = typer.Argument(..., help="Run folder.")):
     out.print(f"wrote {report.write(RunFolder.open(run))}")
 
 
+@app.command("apply")
+@_guard
+def apply_(run: Path = typer.Argument(..., help="Run folder."),
+           region: list[str] = typer.Option([], "--region", help="Only this region (repeatable, or A,B)."),
+           dry_run: bool = typer.Option(False, "--dry-run", help="Print the patch and what would be written; "
+                                        "write nothing."),
+           json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
+    """Write the winners as <model>_nightshift.py next to the model and a patch routing the model through
+    it (runs/<run>/patches/<model>.patch); exit 1 if no region has a winner to apply."""
+    from agent.apply import apply_run
+    res = apply_run(run, [n for r in region for n in _names(r) or []] or None, dry_run=dry_run)
+    if json_out:
+        _emit_json(res.to_json())
+        raise typer.Exit(0 if res.regions else 1)
+    plain = {"markup": False, "highlight": False, "soft_wrap": True}
+    source = "kept end to end (integration.json)" if res.chosen_by == "integration" else \
+        "best kept candidate per region (no integration.json)"
+    out.print(f"run {res.run_id}: {len(res.regions)} region(s) to apply, {source}", **plain)
+    for r in res.regions:
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
+        error = f"{r['error']:.3g}" if r["error"] is not None else "n/a"
+        out.print(f"  {r['region']}: candidate {r['candidate_hash']}, {speed}, error {error} vs {r['tolerance']}",
+                  **plain)
+    for name, why in res.skipped.items():
+        out.print(f"  {name}: not applied ({why})", **plain)
+    for w in res.warnings:
+        err.print(f"warning: {w}", **plain)
+    if not res.regions:
+        out.print("nothing to apply", **plain)
+        raise typer.Exit(1)
+    if res.dry_run:
+        if res.patch:
+            sys.stdout.write(res.patch)
+        else:
+            out.print(f"{res.model_file} already routes through {Path(res.kernels_module).name} "
+                      "(already applied): the patch is empty", **plain)
+        for p in res.would_write:
+            out.print(f"would write {p}", **plain)
+        return
+    for p in res.written:
+        out.print(f"wrote {p}", **plain)
+    if res.already_applied:
+        out.print(f"{res.model_file} already routes through {Path(res.kernels_module).name} (already applied): "
+                  "nothing to patch", **plain)
+    else:
+        out.print(f"apply it: {res.apply_command}", **plain)
+
+
 skill_app = typer.Typer(no_args_is_help=True, help="The coding-agent skill (Claude Code, Codex).")
 app.add_typer(skill_app, name="skill")
 
