@@ -245,10 +245,11 @@ def status(run: Path = typer.Argument(..., help="Run folder (may be running else
 @app.command("report")
 @_guard
 def report_(run: Path = typer.Argument(..., help="Run folder.")):
-    """Write runs/<run>/report.md from what the store holds now (also mid-run)."""
+    """Write runs/<run>/report.md and a self-contained report.html from what the store holds now (also mid-run)."""
     from agent import report
     from tools.runfolder import RunFolder
-    out.print(f"wrote {report.write(RunFolder.open(run))}")
+    md = report.write(RunFolder.open(run))
+    out.print(f"wrote {md}\nand {md.with_name('report.html')}", markup=False, highlight=False)
 
 
 @app.command("apply")

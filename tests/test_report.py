@@ -1,0 +1,240 @@
+"""The morning report as a user opens it: a real tune on the tiny model, `agent report RUN`
+from another directory, report.md, and report.html rendered by headless Chromium from disk.
+
+Chromium is driven over the DevTools protocol on a pipe (--remote-debugging-pipe), so the
+test sees the rendered DOM *and* every request the page made: only file:, data: and about:
+URLs may appear. Chromium is required: install Debian's package `chromium`
+(`apt-get install chromium`); .ci/run does."""
+
+import base64
+import fcntl
+import hashlib
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "models" / "tiny_rmsnorm.py"
+CHROMIUM = Path("/usr/bin/chromium")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def agent(*args, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "agent", *map(str, args)], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> Path:
+    """A real tune of the tiny RMSNorm model, started in its own directory with a relative
+    --runs-dir: trials record candidate paths relative to that directory."""
+    work = tmp_path_factory.mktemp("tune-here")
+    result = agent("tune", "--model", TINY, "--runs-dir", "runs", "--max-candidates", 4, "--devices", "cpu", "--json",
+                   cwd=work)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = work / json.loads(result.stdout)["run"]
+    assert run.is_dir()
+    (run / "integration.json").unlink(missing_ok=True)  # the tests below say when integration ran, and what it found
+    return run
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    if not CHROMIUM.is_file():
+        pytest.fail(f"{CHROMIUM} is missing: the report's browser test needs Chromium. Install Debian's package: "
+                    "apt-get update && apt-get install -y chromium")
+    return CHROMIUM
+
+
+def _digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+# -- Chromium over the DevTools protocol, on a pipe ---------------------------------------------
+class Browser:
+    def __init__(self, exe: Path, profile: Path):
+        cmd_r, self._cmd_w = os.pipe()
+        self._out_r, out_w = os.pipe()
+        # Chromium reads commands on fd 3 and writes answers on fd 4; park our ends high first.
+        hi_r, hi_w = fcntl.fcntl(cmd_r, fcntl.F_DUPFD_CLOEXEC, 10), fcntl.fcntl(out_w, fcntl.F_DUPFD_CLOEXEC, 10)
+        os.close(cmd_r), os.close(out_w)
+
+        def fds():
+            os.dup2(hi_r, 3), os.dup2(hi_w, 4)
+        self.proc = subprocess.Popen([str(exe), *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-pipe",
+                                      "--window-size=1280,1600", "about:blank"], preexec_fn=fds, close_fds=False,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(hi_r), os.close(hi_w)
+        self._buf, self._id, self.events = b"", 0, []
+
+    def _read(self, deadline: float) -> dict:
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._out_r], [], [], left)[0]:
+                raise TimeoutError("Chromium did not answer in time")
+            chunk = os.read(self._out_r, 1 << 20)
+            if not chunk:
+                raise RuntimeError("Chromium closed the DevTools pipe")
+            self._buf += chunk
+        msg, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def send(self, method: str, session: str | None = None, timeout: float = 60, **params) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self._cmd_w, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self._read(deadline)
+            if answer.get("id") == self._id:
+                assert "error" not in answer, answer
+                return answer["result"]
+            self.events.append(answer)
+
+    def wait_for(self, method: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(e.get("method") == method for e in self.events):
+            self.events.append(self._read(deadline))
+
+    def close(self) -> None:
+        try:
+            self.send("Browser.close", timeout=10)
+        except (TimeoutError, RuntimeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self._cmd_w), os.close(self._out_r)
+
+
+def render(exe: Path, page: Path, profile: Path) -> tuple[str, list[str], bytes]:
+    """Open `page` from disk; return the rendered DOM, every URL the page requested, and a
+    full-page screenshot (PNG)."""
+    browser = Browser(exe, profile)
+    try:
+        target = browser.send("Target.createTarget", url="about:blank")["targetId"]
+        session = browser.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        browser.send("Network.enable", session)
+        browser.send("Page.enable", session)
+        browser.send("Page.navigate", session, url=page.as_uri())
+        browser.wait_for("Page.loadEventFired")
+        time.sleep(0.5)  # anything late (a lazy image, a font) would show up as a request here
+        dom = browser.send("Runtime.evaluate", session, expression="document.documentElement.outerHTML",
+                           returnByValue=True)["result"]["value"]
+        shot = browser.send("Page.captureScreenshot", session, format="png", captureBeyondViewport=True)["data"]
+        urls = [e["params"]["request"]["url"] for e in browser.events
+                if e.get("method") == "Network.requestWillBeSent" and e.get("sessionId") == session]
+        return dom, urls, base64.b64decode(shot)
+    finally:
+        browser.close()
+
+
+# -- tests ---------------------------------------------------------------------------------------
+def test_report_from_another_directory_before_integration(tuned):
+    store = tuned / "trials.sqlite"
+    before = _digest(store)
+    result = agent("report", tuned)  # cwd is the repo root, not where tune ran
+    assert result.returncode == 0 and "report.md" in result.stdout and "report.html" in result.stdout
+    assert _digest(store) == before  # read-only: the store is not touched
+
+    md = (tuned / "report.md").read_text()
+    assert "Integration has not run yet" in md
+    assert "CPU timings (host clock, not GPU numbers)" in md and "baseline CPU ms" in md
+    assert re.search(r"^\| RMSNorm \| 100% \| 4 \| \d \| \d+\.\d\dx \| cpu \d+\.\d\dx \(CPU\) \|", md, re.M), md
+    # The winner's diff against the original class, found in the run's candidates/ folder
+    # although the trial recorded a path relative to where tune ran.
+    assert "```diff\n--- RMSNorm (original)\n+++ candidates/" in md
+    assert "-class RMSNorm(nn.Module):" in md and "+def forward(module" in md
+    assert "## Rejected candidates by reason" in md and "(template/layernorm)" in md
+    for name in ("progress-trials", "progress-time", "regions"):
+        assert f"(report-{name}.svg)" in md and (tuned / f"report-{name}.svg").read_text().startswith("<svg")
+    html = (tuned / "report.html").read_text()
+    assert "Integration has not run yet" in html and "CPU timings" in html
+
+
+def write_integration(run: Path) -> None:
+    from tools.e2e import AcceptedRegion, IntegrationResult, WorkloadResult
+    IntegrationResult(
+        device="cpu", device_name="host CPU", generation="cpu", timing_kind="cpu",
+        accepted=[AcceptedRegion(region="RMSNorm", candidate_hash="0" * 16, candidate_path="x.py", region_speedup=1.3)],
+        workloads=[WorkloadResult(name="default", eager_ms=2.0, tuned_ms=1.6, speedup=1.25, error=2e-6,
+                                  tolerance="abs 0.0001",
+                                  baselines={"torch.compile": 1.5, "max-autotune-no-cudagraphs": 1.4,
+                                             "reduce-overhead": None})],
+        baseline_errors={"reduce-overhead": "needs CUDA graphs"}).save(run)
+
+
+def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
+    write_integration(tuned)
+    try:
+        assert agent("report", tuned).returncode == 0
+    finally:
+        (tuned / "integration.json").unlink()
+    md = (tuned / "report.md").read_text()
+    assert "**1.25x** end to end" in md and "| default | 2 | 1.6 | 1.5 | 1.4 | failed |" in md
+
+    dom, urls, png = render(chromium, tuned / "report.html", tmp_path / "profile")
+    (tmp_path / "report.png").write_bytes(png)
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+    # The page asked for nothing but itself: no network at all. (The same check on a page with
+    # an outside image and stylesheet sees both, so it can fail.)
+    assert urls and all(u.split(":", 1)[0] in ("file", "data", "about") for u in urls), urls
+    leaky = tmp_path / "leaky.html"
+    leaky.write_text('<img src="http://example.invalid/a.png"><link rel=stylesheet href="https://example.invalid/b.css">')
+    _, leaked, _ = render(chromium, leaky, tmp_path / "profile-leaky")
+    assert {"http://example.invalid/a.png", "https://example.invalid/b.css"} <= set(leaked)
+    assert not re.search(r"""\b(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", dom, re.I)
+    assert not re.search(r"<(?:script|link|iframe)\b", dom, re.I)
+
+    # Summary first: the end-to-end speedup, honest standings against torch.compile, costs.
+    summary = dom[dom.index('id="summary"'):dom.index('id="progress"')]
+    assert "1.25x" in summary and "end-to-end speedup, weighted (CPU timing)" in summary
+    assert "max-autotune-no-cudagraphs is fastest (1.4 ms); nightshift is 1.14x slower than it" in summary
+    assert "failed: needs CUDA graphs" in summary
+    assert "trials run" in summary and "$0.00" in summary and "device-hours on the CPU" in summary
+    assert dom.index('id="summary"') < dom.index('id="progress"') < dom.index('id="regions"') < dom.index('id="rejected"')
+
+    # The plots: inline SVG with lines and axes.
+    progress = dom[dom.index('id="progress"'):dom.index('id="regions"')]
+    assert progress.count("<svg") == 3 and "<polyline" in progress and "trials finished" in progress
+    assert "Best speedup per region (CPU timings)" in progress
+
+    # The winner's diff, highlighted: added/removed lines, inline-styled spans from pygments.
+    diff = re.search(r'<div class="diff">(.*?)</div>\s*</section>', dom, re.S).group(1)
+    assert 'class="l add"' in diff and 'class="l del"' in diff
+    assert re.search(r'<span style="color:#[0-9a-fA-F]{3,6}[^"]*">def</span>', diff)
+    assert "forward" in diff and "RMSNorm (original)" in diff
+
+    rejected = dom[dom.index('id="rejected"'):]
+    assert "wrong" in rejected and "template / layernorm" in rejected
+
+
+def test_report_on_a_run_with_no_trials_yet(tuned, tmp_path):
+    """A run that has only been profiled: no store; the report says so and creates none."""
+    from agent import report
+    from tools.runfolder import RunFolder
+    run_dir = tmp_path / "profiled"
+    shutil.copytree(tuned, run_dir, ignore=shutil.ignore_patterns("trials.sqlite*", "candidates", "report*"))
+    md = report.write(RunFolder.open(run_dir))
+    assert md == run_dir / "report.md" and (run_dir / "report.html").is_file()
+    assert not (run_dir / "trials.sqlite").exists()
+    text = md.read_text()
+    assert "· 0 trials ·" in text and "| RMSNorm | 100% | 0 | 0 | - |" in text
+    assert "No stop recorded" in text
+    assert "no kept candidate yet" in (run_dir / "report-progress-trials.svg").read_text()
+    assert report.write_html(RunFolder.open(run_dir)) == run_dir / "report.html"
