@@ -53,8 +53,12 @@ def tuned(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def chromium() -> Path:
     if not CHROMIUM.is_file():
-        pytest.fail(f"{CHROMIUM} is missing: the report's browser test needs Chromium. Install Debian's package: "
-                    "apt-get update && apt-get install -y chromium")
+        message = (f"{CHROMIUM} is missing: the report's browser test needs Chromium. Install Debian's package: "
+                   "apt-get update && apt-get install -y chromium")
+        # CI installs it and insists; a developer's quickstart on a bare machine says so and goes on.
+        if os.environ.get("NIGHTSHIFT_REQUIRE_BROWSER"):
+            pytest.fail(message)
+        pytest.skip(message)
     return CHROMIUM
 
 
