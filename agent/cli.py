@@ -78,6 +78,8 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             runs_dir: Path = typer.Option(Path("runs"), help="Where run folders are created."),
             tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for every region."),
             region_tolerance: list[str] = typer.Option([], help="CLASS=abs:VALUE, per region; repeatable."),
+            e2e_tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for the whole model's "
+                                                        "outputs (default: by dtype and magnitude)."),
             coverage: float = typer.Option(0.9, help="Freeze the fewest regions covering this share of time."),
             max_regions: int = typer.Option(8, help="Freeze at most this many regions."),
             freeze: bool = typer.Option(True, help="Freeze problems for the selected regions."),
@@ -90,7 +92,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
     from tools.profiler import render_hotspots, torch_profiler_table
     res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
                              region_tolerance=region_tolerance, coverage=coverage, max_regions=max_regions,
-                             freeze_problems=freeze, regions=_names(regions))
+                             freeze_problems=freeze, regions=_names(regions), e2e_tolerance=e2e_tolerance)
     if json_out:
         _emit_json({"run": str(res.run.path), "hotspots": json.loads(res.result.model_dump_json()),
                     "problems": [p.name for p in res.problems], "skipped": res.skipped})
@@ -154,9 +156,16 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
          max_candidates: int = typer.Option(200, help="Cap on candidates tried."),
          patience: int = typer.Option(40, help="Stop a region after N passing trials without improvement."),
          tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for every region."),
+         region_tolerance: list[str] = typer.Option([], help="CLASS=abs:VALUE, per region; repeatable."),
+         e2e_tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for the whole model's "
+                                                     "outputs (default: by dtype and magnitude)."),
          max_regions: int = typer.Option(8, help="Freeze at most this many regions."),
          regions: Optional[str] = typer.Option(None, help="Freeze these classes (comma-separated)."),
          runs_dir: Path = typer.Option(Path("runs"), help="Where run folders are created."),
+         integrate: bool = typer.Option(True, help="Apply the winners to the whole model, check and time it "
+                                        "end to end (--no-integrate skips it)."),
+         baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines end to end "
+                                                  "(default: on GPUs, not on the CPU)."),
          json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view.")):
     """The main job: profile, freeze problems, search until the budget runs out, report."""
     from agent import jobs, report
@@ -170,7 +179,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         run = RunFolder.open(resume)
     else:
         res = jobs.profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance, stop_rule=rule,
-                                      max_regions=max_regions, regions=_names(regions))
+                                      max_regions=max_regions, regions=_names(regions),
+                                      region_tolerance=region_tolerance, e2e_tolerance=e2e_tolerance)
         run = res.run
         if not json_out:
             out.print(f"run folder [bold]{run.path}[/]: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
@@ -207,10 +217,18 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         if live is not None:
             live.update(table(holder.get("budget")))
             live.stop()
+    integration = None
+    if integrate and not outcome.stop_reason.startswith("interrupted"):
+        first = (devices or "").split(",")[0].partition("@")[0].strip() or None
+        integration = _integrate(run, first, baselines, json_out)
     report_path = report.write(run)
     summary = {"run": str(run.path), "stop_reason": outcome.stop_reason, "trials": outcome.trials_run,
                "rounds": outcome.rounds, "best_speedup": outcome.best, "report": str(report_path),
                "gpu_seconds": budget.spent, "timing_kind": kind}
+    if integrate:
+        from agent.integrate import summary as integration_summary
+        summary["integration"] = integration if integration is None or isinstance(integration, str) \
+            else integration_summary(integration)
     if json_out:
         _emit_json(summary)
     else:
@@ -218,6 +236,59 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         out.print(f"continue with: agent tune --resume {run.path}")
     if outcome.stop_reason.startswith("interrupted"):
         raise typer.Exit(130)
+
+
+def _integrate(run, device: Optional[str], baselines: Optional[bool], quiet: bool):
+    """Integration after a search: the result, or one line saying why there is none (a search
+    that found something must not end in a traceback because the end-to-end check could not run)."""
+    from agent.integrate import IntegrationError, integrate, render
+    from agent.jobs import UserError
+    from tools.problem import ProblemError
+    on_gpu = (device or "").startswith("cuda") or (not device and _cuda_run(run))
+    want = on_gpu if baselines is None else baselines
+    try:
+        result = integrate(run, device, baselines=want)  # its notes are part of the rendered result
+    except (IntegrationError, UserError, ProblemError) as e:
+        if not quiet:
+            err.print(f"integration: {e}", markup=False)
+        return f"not integrated: {e}"
+    if not quiet:
+        out.print()
+        out.print(render(result))
+    return result
+
+
+def _cuda_run(run) -> bool:
+    try:
+        from tools.capture import MODEL_DIR, ModelReference
+        import torch
+        return ModelReference.load(run.path / MODEL_DIR).device == "cuda" and torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@app.command("integrate")
+@_guard
+def integrate_(run: Path = typer.Argument(..., help="Run folder."),
+               device: Optional[str] = typer.Option(None, help="cuda, cuda:N or cpu (default: the freeze device)."),
+               baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines (default: on "
+                                                        "GPUs, not on the CPU, where they are slow to compile)."),
+               json_out: bool = typer.Option(False, "--json", help="integration.json on stdout.")):
+    """Apply the winners to the whole model, check it against the frozen model outputs, time it."""
+    from agent.integrate import IntegrationError, integrate, render
+    from tools.runfolder import RunFolder
+    folder = RunFolder.open(run)
+    want = baselines if baselines is not None else (
+        (device or "").startswith("cuda") or (not device and _cuda_run(folder)))
+    try:
+        result = integrate(folder, device, baselines=want)
+    except IntegrationError as e:
+        _fail(str(e), 1)
+    if json_out:
+        _emit_json(json.loads(result.model_dump_json()))
+    else:
+        out.print(render(result))
+        out.print(f"wrote {folder.path / 'integration.json'}", markup=False, highlight=False)
 
 
 @app.command()

@@ -19,7 +19,7 @@ from agent.executors.local import LocalExecutor, parse_devices
 from agent.loop import Outcome, load_history, tune
 from agent.planners import PlannerError, make_planner
 from sandbox.runner import Limits, TrialRunner
-from tools.capture import RegionChoice, freeze
+from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import ModelFileError, file_sha256, load_model
 from tools.problem import Problem, ProblemError, StopRule, Tolerance
@@ -54,9 +54,10 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                        tolerance: str | None = None, region_tolerance: list[str] = (),
                        stop_rule: StopRule | None = None, targets: list[str] | None = None,
                        coverage: float = 0.9, max_regions: int = 8, freeze_problems: bool = True,
-                       regions: list[str] | None = None) -> ProfileOutcome:
+                       regions: list[str] | None = None, e2e_tolerance: str | None = None) -> ProfileOutcome:
     dev = resolve_device(device)
     tol = _tolerance(tolerance) if tolerance else None
+    e2e_tol = _tolerance(e2e_tolerance) if e2e_tolerance else None
     per_region = {}
     for item in region_tolerance:
         name, sep, text = item.partition("=")
@@ -84,6 +85,10 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                                  stop_rule=stop_rule, targets=targets, device_name=result.device_name,
                                  ceilings=ceilings.model_dump())
         skipped = {s.class_name: s.reason for s in skips}
+        try:  # the whole model's end-to-end reference, for integration
+            freeze_model(loaded, run.path / MODEL_DIR, dev, e2e_tol, device_name=result.device_name)
+        except ValueError as e:
+            skipped["(whole model)"] = f"no end-to-end reference: {e}"
     run.write_info(RunInfo(run_id=run.run_id, model_file=str(loaded.path), model_hash=loaded.file_hash,
                            device=dev.type, versions={k: str(v) for k, v in software_versions().items()},
                            options={"workload": workload, "stop_rule": (stop_rule or StopRule()).model_dump()},

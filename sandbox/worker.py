@@ -100,6 +100,8 @@ class Worker:
         self.workdir = os.getcwd()
         self.snapshot: dict[str, int] = {}
         self.region_classes: set[type] = set()
+        self.integration: dict | None = None
+        """The model and candidate set the `integrate` op holds (see sandbox/integrate_op.py)."""
 
     # -- requests ----------------------------------------------------------------------
     def op_problem(self, req: dict, tensors: Any) -> tuple[dict, Any]:
@@ -202,6 +204,11 @@ class Worker:
         return {"timings": out, "tampered": self._tampered(),
                 "timing_kind": "cuda" if self.device.type == "cuda" else "cpu"}, None
 
+    def op_integrate(self, req: dict, tensors: Any) -> tuple[dict, Any]:
+        """The whole model with winners routed in: run, time, baselines (sandbox/integrate_op.py)."""
+        from sandbox import integrate_op
+        return integrate_op.handle(self, req, tensors)
+
     # -- helpers -----------------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], phase: str) -> Any:
         try:
@@ -242,7 +249,7 @@ class Worker:
 
     def serve(self) -> None:
         handlers = {"problem": self.op_problem, "load": self.op_load, "verify": self.op_verify,
-                    "time": self.op_time}
+                    "time": self.op_time, "integrate": self.op_integrate}
         while True:
             try:
                 req, tensors = protocol.recv(self.sock)

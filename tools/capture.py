@@ -1,4 +1,5 @@
-"""Freezing problems: real inputs and today's outputs of chosen regions, written to disk.
+"""Freezing problems: real inputs and today's outputs of chosen regions, written to disk;
+and the whole model's end-to-end reference (`freeze_model`), which integration checks against.
 
 For each chosen module class, the first instance in the model is the representative: a
 forward hook records the inputs of its first call in every workload and the outputs the
@@ -16,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, Field
 from torch.utils.flop_counter import FlopCounterMode
 
 from tools.modelfile import LoadedModel, file_sha256, tensors_in
-from tools.problem import Problem, StopRule, TensorSpec, Tolerance, Workload, default_tolerance, tensor_hash
+from tools.problem import (Problem, ProblemError, StopRule, TensorSpec, Tolerance, Workload, default_tolerance,
+                           file_hash, tensor_hash)
 from tools.region import build_region, call_args, flatten, module_state, scalar_attributes
 from tools.verify import diff
 
@@ -187,3 +190,111 @@ def _source(cls: type) -> str:
         return inspect.getsource(cls)
     except (OSError, TypeError):
         return f"# source of {cls.__qualname__} not available"
+
+
+# -- the whole model: the frozen end-to-end reference ------------------------------------------
+MODEL_DIR = "model"
+MODEL_FILE = "model.json"
+MODEL_TENSOR_FILES = ("state.pt", "inputs.pt", "outputs.pt")
+
+
+class ModelWorkload(BaseModel):
+    """One workload of the whole model: its weight, its outputs and the end-to-end tolerance."""
+
+    name: str
+    weight: float = 1.0
+    inputs: list[TensorSpec] = Field(default_factory=list)
+    outputs: list[TensorSpec] = Field(default_factory=list)
+    tolerance: Tolerance
+    tolerance_source: str = "default"
+    """`default` (by the output's dtype and magnitude) or `cli` (--e2e-tolerance)."""
+
+
+class ModelReference(BaseModel):
+    """`runs/<run>/model/`: the untouched model's state, inputs and outputs per workload.
+
+    Files next to `model.json`: `state.pt` (every parameter and buffer of the model, persistent
+    or not), `inputs.pt` (one {"args", "kwargs"} set per workload) and `outputs.pt` (one
+    {"structure", "outputs"} per workload), each recorded with its sha256."""
+
+    model_file: str
+    model_hash: str
+    init_hash: str = ""
+    device: str
+    """Where the outputs were computed (`cuda`, `cpu`)."""
+    device_name: str = ""
+    workloads: list[ModelWorkload]
+    state_hash: str = ""
+    """Content hash of the state (tools.problem.tensor_hash): equal after a reload, bit for bit."""
+    hashes: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        total = sum(w.weight for w in self.workloads) or 1.0
+        return {w.name: w.weight / total for w in self.workloads}
+
+    @classmethod
+    def load(cls, folder: Path) -> "ModelReference":
+        path = Path(folder) / MODEL_FILE
+        if not path.is_file():
+            raise ProblemError(f"{folder}: no {MODEL_FILE} (this run has no frozen model reference; "
+                               "profile the model again to make one)")
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValueError as e:
+            raise ProblemError(f"{path}: invalid model reference: {e}") from None
+
+    def load_tensors(self, folder: Path, state: bool = True) -> tuple[dict | None, list[dict], list[dict]]:
+        """State, inputs and outputs, each checked against its hash (the state only checked, not
+        loaded, when `state` is False: the sandbox loads it, the tuner need not)."""
+        out = []
+        for fname in MODEL_TENSOR_FILES:
+            path = Path(folder) / fname
+            if not path.is_file():
+                raise ProblemError(f"{path} is missing")
+            if self.hashes.get(fname) != file_hash(path):
+                raise ProblemError(f"{path} changed since the model was frozen (hash mismatch)")
+            load = state or fname != "state.pt"
+            out.append(torch.load(path, weights_only=True, map_location="cpu") if load else None)
+        return out[0], out[1], out[2]
+
+
+def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolerance: Tolerance | None = None,
+                 device_name: str = "") -> ModelReference:
+    """Write the whole model's frozen end-to-end reference to `folder` (`runs/<run>/model/`).
+
+    The outputs are today's model on each workload's inputs; the tolerance per workload comes
+    from the output's dtype and magnitude (tools.problem.default_tolerance) unless given."""
+    state = module_state(loaded.model)
+    inputs, outputs, workloads = [], [], []
+    with torch.no_grad():
+        for w in loaded.workloads:
+            input_set = {"args": _detach_cpu(list(w.inputs)), "kwargs": {}}
+            leaves, structure = flatten(loaded.model(*w.inputs))
+            if structure.startswith("?") or "?" in structure:
+                raise ValueError(f"the model returns something other than tensors ({structure}) on {w.name!r}")
+            outs = [_detach_cpu(t) for t in leaves]
+            floats = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+            if not floats:
+                raise ValueError(f"the model has no floating-point output to compare on {w.name!r}")
+            ref_max = max(float(t.abs().max()) for t in floats)
+            tol, source = (tolerance, "cli") if tolerance is not None else (
+                default_tolerance(floats[0].dtype, ref_max), "default")
+            inputs.append(input_set)
+            outputs.append({"structure": structure, "outputs": outs})
+            workloads.append(ModelWorkload(
+                name=w.name, weight=w.weight, tolerance=tol, tolerance_source=source,
+                inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(input_set))],
+                outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
+    ref = ModelReference(model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
+                         init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
+                         workloads=workloads, state_hash=tensor_hash(state))
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for fname, obj in zip(MODEL_TENSOR_FILES, (state, inputs, outputs)):
+        torch.save(obj, folder / fname)
+        ref.hashes[fname] = file_hash(folder / fname)
+    tmp = folder / (MODEL_FILE + ".tmp")
+    tmp.write_text(ref.model_dump_json(indent=2))
+    tmp.replace(folder / MODEL_FILE)
+    return ref

@@ -23,6 +23,8 @@ class AcceptedRegion(BaseModel):
     template: str | None = None
     region_speedup: float | None = None
     """The region's own speedup from the search (weighted over workloads)."""
+    instances: int = 0
+    """Module instances of the region's class routed through the candidate."""
 
 
 class DroppedCandidate(BaseModel):
@@ -44,6 +46,8 @@ class WorkloadResult(BaseModel):
     tolerance: str = ""
     baselines: dict[str, float | None] = Field(default_factory=dict)
     """`torch.compile`, `max-autotune-no-cudagraphs`, `reduce-overhead` -> ms (None: failed)."""
+    baseline_speedups: dict[str, float | None] = Field(default_factory=dict)
+    """Each baseline's speedup over eager, timed side by side with eager in one worker."""
     floor_ms: float | None = None
 
 
@@ -56,6 +60,8 @@ class IntegrationResult(BaseModel):
     dropped: list[DroppedCandidate] = Field(default_factory=list)
     workloads: list[WorkloadResult] = Field(default_factory=list)
     baseline_errors: dict[str, str] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+    """What the reader should know: baselines skipped on the CPU, regions with no kept candidate, ..."""
     created_at: float = Field(default_factory=time.time)
 
     def save(self, run_path: Path) -> Path:
@@ -64,6 +70,15 @@ class IntegrationResult(BaseModel):
         tmp.write_text(self.model_dump_json(indent=2))
         tmp.replace(path)
         return path
+
+    @property
+    def speedup(self) -> float | None:
+        """Weighted over workloads: sum(w * eager) / sum(w * tuned)."""
+        rows = [w for w in self.workloads if w.tuned_ms]
+        total = sum(w.weight for w in rows)
+        if not rows or total <= 0:
+            return None
+        return sum(w.weight * w.eager_ms for w in rows) / sum(w.weight * w.tuned_ms for w in rows)
 
     @classmethod
     def load(cls, run_path: Path) -> "IntegrationResult | None":

@@ -1,0 +1,190 @@
+"""Integration on the CPU: winners routed into every instance of their class in the whole
+model (in a sandbox worker), checked against the frozen model outputs, timed end to end.
+
+The model (tests/models/stacked_norms.py) stacks two blocks, each an RMSNorm and a Linear,
+so the RMSNorm region has two instances. Three candidates are verified for real in the
+sandbox; their speedups are then pinned in the store, so the order integration tries them
+in does not depend on CPU timing noise:
+
+- RMSNorm, 3.0x: correct plus a bias of 0.005, within the region tolerance (abs 0.01) set
+  for this run, but the bias passes through both layers and the end-to-end error exceeds
+  the end-to-end tolerance (abs 0.008): dropped, and the next best is tried;
+- RMSNorm, 2.0x: the Triton RMSNorm (tests/candidates/rmsnorm_triton.py): accepted;
+- Linear, 0.8x: correct but slower than the original: not applied.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools.problem import ProblemError, default_tolerance, tensor_hash
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "tests" / "models" / "stacked_norms.py"
+TRITON_RMSNORM = ROOT / "tests" / "candidates" / "rmsnorm_triton.py"
+BIAS, REGION_TOL, E2E_TOL = 0.005, 0.01, 0.008
+BIASED = f'''import torch
+
+
+def forward(module, x):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.eps)
+    return module.weight * x32.to(x.dtype) + {BIAS}
+'''
+LINEAR = '''import torch.nn.functional as F
+
+
+def forward(module, x):
+    return F.linear(x, module.weight, module.bias)
+'''
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A profiled run with the three candidates above verified in the sandbox and recorded."""
+    from agent.jobs import profile_and_freeze
+    from sandbox.runner import TrialRunner
+    from tools.trial import Candidate
+    tmp = tmp_path_factory.mktemp("integrate")
+    res = profile_and_freeze(MODEL, "cpu", None, tmp / "runs", regions=["RMSNorm", "Linear"],
+                             region_tolerance=[f"RMSNorm=abs:{REGION_TOL}"], e2e_tolerance=f"abs:{E2E_TOL}")
+    assert {p.name: len(p.instances) for p in res.problems} == {"RMSNorm": 2, "Linear": 2}
+    pinned = [("RMSNorm", BIASED, 3.0), ("RMSNorm", TRITON_RMSNORM.read_text(), 2.0), ("Linear", LINEAR, 0.8)]
+    runner = TrialRunner("cpu")
+    store = res.run.store()
+    hashes = []
+    try:
+        for name in ("RMSNorm", "Linear"):
+            runner.add_problem(res.run.problems_dir / name)
+        for region, source, speedup in pinned:
+            c = Candidate(region=region, source=source)
+            path = res.run.save_candidate(source, c.hash)
+            trial = runner.run(c, candidate_path=str(path), do_time=False)
+            assert trial.status.value == "ok", trial.reason  # the biased one too: within the region tolerance
+            store.record(trial.model_copy(update={"speedup": speedup}))
+            hashes.append(c.hash)
+    finally:
+        runner.close()
+        store.close()
+    return res.run, hashes
+
+
+def agent(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "agent", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_integrate_json_accepts_the_next_best_when_errors_compound(run):
+    from tools.e2e import IntegrationResult
+    folder, (biased, triton, linear) = run
+    result = agent("integrate", folder.path, "--json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+
+    (acc,) = data["accepted"]
+    assert acc["region"] == "RMSNorm" and acc["candidate_hash"] == triton
+    assert acc["instances"] == 2 and acc["region_speedup"] == 2.0
+    dropped = {d["candidate_hash"]: d for d in data["dropped"]}
+    assert set(dropped) == {biased, linear}
+    assert dropped[biased]["region"] == "RMSNorm"
+    assert dropped[biased]["reason"].startswith("end-to-end error ")
+    assert f"> tolerance abs {E2E_TOL:g} on " in dropped[biased]["reason"]
+    assert dropped[linear]["region"] == "Linear"
+    assert dropped[linear]["reason"].startswith("not faster than the original")
+
+    assert [w["name"] for w in data["workloads"]] == ["rows8", "rows32"]
+    for w in data["workloads"]:
+        assert w["error"] is not None and w["error"] <= E2E_TOL and w["tolerance"] == f"abs {E2E_TOL:g}"
+        assert w["eager_ms"] > 0 and w["tuned_ms"] > 0 and w["speedup"] > 0
+        assert w["baselines"] == {}  # not on the CPU unless asked
+    assert data["timing_kind"] == "cpu" and data["device"] == "cpu"
+    assert any("baselines skipped" in n for n in data["notes"])
+
+    # integration.json round-trips, and is what --json printed.
+    saved = IntegrationResult.load(folder.path)
+    assert saved == IntegrationResult.model_validate(data)
+    assert IntegrationResult.model_validate_json(saved.model_dump_json()) == saved
+
+
+def test_every_instance_is_routed_and_a_region_error_compounds(run):
+    """Straight to the worker: the biased candidate goes through both RMSNorm instances (the
+    worker counts routed calls), and the model's output moves by more than the bias: 0.005 in
+    the first layer, again in the second, and the first layer's error carried along."""
+    from sandbox.integrator import Integrator
+    from tools.capture import ModelReference
+    from tools.integrate import judge, untouched_drift
+    from tools.verify import diff
+    folder, _ = run
+    ref = ModelReference.load(folder.path / "model")
+    _, inputs, frozen = ref.load_tensors(folder.path / "model", state=False)
+    integ = Integrator(folder.path / "model", ref.model_file, "cpu")
+    try:
+        reply = integ.run([{"region_class": "RMSNorm", "source": BIASED, "hash": "biased"}])
+        assert reply.ok, reply.error
+        assert reply.header["routed"] == {"RMSNorm": 2}
+        assert reply.header["calls"] == [{"RMSNorm": 2}, {"RMSNorm": 2}]
+        assert untouched_drift(ref, frozen, reply.tensors["untouched"]) is None
+        for out, f in zip(reply.tensors["a"], frozen):
+            assert diff(out, f["outputs"]).max_abs > E2E_TOL > BIAS
+        check = judge(ref, frozen, [tensor_hash(s) for s in inputs], reply.header, reply.tensors, "cpu")
+        assert not check.ok and check.reason.startswith("end-to-end error")
+
+        # A baseline that fails comes back as text; the op and the worker survive it.
+        bad = integ.baseline("no-such-mode")
+        assert bad.ok, bad.error
+        assert "Unrecognized mode" in bad.header["baseline_errors"]["no-such-mode"]
+        assert integ.worker.alive
+    finally:
+        integ.close()
+
+
+def test_model_reference_reloads_bit_identically(run, tmp_path):
+    from tools.capture import ModelReference, freeze_model
+    from tools.modelfile import load_model
+    from tools.region import build_region, module_state
+    folder, _ = run
+    model_dir = folder.path / "model"
+    assert sorted(p.name for p in model_dir.iterdir()) == ["inputs.pt", "model.json", "outputs.pt", "state.pt"]
+    ref = ModelReference.load(model_dir)
+    assert [w.name for w in ref.workloads] == ["rows8", "rows32"] and ref.weights["rows8"] == pytest.approx(2 / 3)
+    assert all(w.tolerance_source == "cli" and str(w.tolerance) == f"abs {E2E_TOL:g}" for w in ref.workloads)
+    state, inputs, outputs = ref.load_tensors(model_dir)
+    assert "scale" in state  # a non-persistent buffer is part of the model's state
+    assert tensor_hash(state) == ref.state_hash
+    rebuilt = build_region(ref.model_file, "", state, torch.device("cpu"))
+    assert tensor_hash(module_state(rebuilt)) == ref.state_hash
+    with torch.no_grad():
+        for s, o in zip(inputs, outputs):
+            assert torch.equal(rebuilt(*s["args"]), o["outputs"][0])
+
+    tampered = tmp_path / "model"
+    shutil.copytree(model_dir, tampered)
+    torch.save([{"structure": "T", "outputs": [torch.zeros(1)]}], tampered / "outputs.pt")
+    with pytest.raises(ProblemError, match="changed since the model was frozen"):
+        ref.load_tensors(tampered)
+
+    # Without --e2e-tolerance: by the output's dtype and magnitude.
+    loaded = load_model(MODEL, "cpu")
+    fresh = freeze_model(loaded, tmp_path / "default", torch.device("cpu"))
+    _, _, outs = fresh.load_tensors(tmp_path / "default")
+    for w, o in zip(fresh.workloads, outs):
+        assert w.tolerance_source == "default"
+        assert w.tolerance == default_tolerance(torch.float32, float(o["outputs"][0].abs().max()))
+
+
+def test_tune_ends_with_integration(tmp_path):
+    result = agent("tune", "--model", MODEL, "--regions", "RMSNorm", "--runs-dir", tmp_path, "--devices", "cpu",
+                   "--max-candidates", 1, "--json")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    integration = summary["integration"]
+    assert isinstance(integration, dict), integration
+    assert integration["timing_kind"] == "cpu" and [w["name"] for w in integration["workloads"]] == ["rows8", "rows32"]
+    assert (Path(summary["run"]) / "integration.json").is_file()
