@@ -1,0 +1,258 @@
+"""The winning candidates merged into ONE kernels module, for `agent apply` (agent/apply.py).
+
+Each candidate file defines `forward` and its own Triton kernels, often with the same names as
+another's (`_kernel`, `BLOCK`, `forward`), so they are merged with `ast`: every name a candidate
+binds at module level is renamed to a region-specific one (`_rmsnorm` -> `_LlamaRMSNorm__rmsnorm`,
+`forward` -> `forward_LlamaRMSNorm`) and every reference that resolves to it is rewritten,
+scope-aware (agent/rename.py). Imports are hoisted and deduplicated. The module ends with
+`REGIONS`, `CLASSES` and `install(namespace)`, which points each region class's `forward` at its
+tuned forward.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agent.rename import Binder, Renamer, import_as, import_binding
+
+if TYPE_CHECKING:
+    from agent.apply import Winner
+    from tools.e2e import IntegrationResult
+
+# Module-level names the generated routing code owns; candidates' names are renamed around them.
+RESERVED = {"REGIONS", "CLASSES", "install", "_nightshift_route", "_nightshift_os", "_nightshift_torch",
+            "_nightshift_warnings"}
+
+
+class CandidateSkipped(Exception):
+    """A region's candidate cannot be used; the message says why. Reported, not fatal."""
+
+
+def _identifier(name: str) -> str:
+    out = re.sub(r"\W", "_", name)
+    return out if out.isidentifier() else f"R{out}"
+
+
+def is_main_guard(stmt: ast.stmt) -> bool:
+    return (isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Compare)
+            and isinstance(stmt.test.left, ast.Name) and stmt.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in stmt.test.comparators))
+
+
+def _import_key(stmt: ast.stmt, alias: ast.alias) -> tuple:
+    """What a hoisted import binds: equal keys bind the same object to the same name."""
+    if isinstance(stmt, ast.Import):
+        return ("module", alias.name if alias.asname else alias.name.split(".")[0])
+    return ("from", stmt.level, stmt.module, alias.name)
+
+
+@dataclass
+class _Part:
+    winner: Winner
+    body: list[ast.stmt]
+    renames: dict[str, str]
+    forward: str
+
+
+def merge_candidates(winners: list[Winner]) -> tuple[list[str], list[str], list[_Part]]:
+    """(future imports, hoisted imports, per-winner renamed bodies) as text and ASTs."""
+    trees = []
+    for w in winners:
+        try:
+            trees.append(ast.parse(w.source, filename=f"{w.region}/{w.candidate_hash}.py"))
+        except SyntaxError as e:
+            raise CandidateSkipped(f"candidate {w.candidate_hash} does not parse: {e}") from None
+    idents = {n.id for t in trees for n in ast.walk(t) if isinstance(n, ast.Name)}
+    idents |= {n.arg for t in trees for n in ast.walk(t) if isinstance(n, ast.arg)}
+    taken: dict[str, tuple] = {name: ("reserved",) for name in RESERVED}
+    avoid = set(dir(builtins)) | idents
+    futures: list[str] = []
+    imports: list[str] = []
+    seen_imports: set[str] = set()
+
+    def fresh(name: str, region: str) -> str:
+        base = f"_{region}_{name}" if name.startswith("_") else f"{name}_{region}"
+        new, i = base, 2
+        while new in taken or new in avoid:
+            new, i = f"{base}_{i}", i + 1
+        taken[new] = ("renamed",)
+        return new
+
+    def emit(stmt: ast.stmt) -> None:
+        text = ast.unparse(stmt)
+        if text not in seen_imports:
+            seen_imports.add(text)
+            imports.append(text)
+
+    parts = []
+    for w, tree in zip(winners, trees):
+        region = _identifier(w.region)
+        body = list(tree.body)
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            body = body[1:]  # the candidate's docstring
+        body = [s for s in body if not is_main_guard(s) and not (
+            isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in s.targets))]
+        top_imports = [s for s in body if isinstance(s, (ast.Import, ast.ImportFrom))]
+        rest = [s for s in body if not isinstance(s, (ast.Import, ast.ImportFrom))]
+        bound = Binder().run(rest).bound
+        bound |= {g for n in ast.walk(tree) if isinstance(n, ast.Global) for g in n.names}
+        renames: dict[str, str] = {}
+        kept_in_place: list[ast.stmt] = []
+        for stmt in top_imports:
+            if isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__":
+                for a in stmt.names:
+                    line = f"from __future__ import {a.name}"
+                    if line not in futures:
+                        futures.append(line)
+                continue
+            for a in stmt.names:
+                single = (ast.ImportFrom(module=stmt.module, names=[a], level=stmt.level)
+                          if isinstance(stmt, ast.ImportFrom) else ast.Import(names=[a]))
+                if a.name == "*":
+                    emit(single)
+                    continue
+                name = import_binding(a, isinstance(stmt, ast.ImportFrom))
+                if name in bound:  # rebound elsewhere in the candidate: stays in place, renamed with it
+                    kept_in_place.append(single)
+                    continue
+                key = _import_key(stmt, a)
+                if taken.get(name, key) == key:
+                    taken[name] = key
+                    emit(single)
+                else:  # the name already means something else in the merged module
+                    new = renames.get(name) or fresh(name, region)
+                    renames[name] = new
+                    if isinstance(single, ast.ImportFrom):
+                        single.names = [ast.alias(a.name, new)]
+                        emit(single)
+                    else:
+                        emit(import_as(a, new))
+        for name in sorted(bound):
+            renames[name] = fresh(name, region)
+        if "forward" not in bound:
+            raise CandidateSkipped("the candidate defines no module-level `forward`")
+        renamer = Renamer(renames)
+        new_body = renamer.rename_body(kept_in_place + rest)
+        parts.append(_Part(w, new_body, {k: v for k, v in renames.items() if k in bound}, renames["forward"]))
+    return futures, imports, parts
+
+
+def _statements(body: list[ast.stmt]) -> str:
+    out, prev_def = [], None
+    for stmt in body:
+        is_def = isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        if out:
+            out.append("\n\n\n" if is_def or prev_def else "\n")
+        out.append(ast.unparse(ast.fix_missing_locations(stmt)))
+        prev_def = is_def
+    return "".join(out) + "\n"
+
+
+ROUTING = '''
+
+def _nightshift_route(cls, region, tuned):
+    """Point cls.forward at `tuned`; installing again replaces the routing, never wraps it."""
+    current = cls.__dict__.get("forward")
+    original = getattr(current, "__nightshift_original__", None) or cls.forward
+
+    def forward(self, *args, **kwargs):
+        # Instances of subclasses were never verified, and the tuned kernels define no backward
+        # and were verified for inference only: those calls keep the original forward.
+        if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()):
+            return original(self, *args, **kwargs)
+        return tuned(self, *args, **kwargs)
+
+    forward.__nightshift_original__ = original
+    forward.__nightshift_region__ = region
+    forward.__doc__ = f"nightshift: {cls.__qualname__}.forward routed through {tuned.__name__}"
+    cls.forward = forward
+
+
+def install(namespace: dict) -> list[str]:
+    """Route every region class found in `namespace` (the model module's globals) through its
+    tuned forward; returns the routed class names. NIGHTSHIFT_DISABLE=1 routes nothing."""
+    if _nightshift_os.environ.get("NIGHTSHIFT_DISABLE", "").strip() not in ("", "0"):
+        return []
+    routed = []
+    for region, qualname in CLASSES.items():
+        head, *rest = qualname.split(".")
+        cls = namespace.get(head)
+        for part in rest:
+            cls = getattr(cls, part, None)
+        if not isinstance(cls, type):
+            _nightshift_warnings.warn(f"nightshift: no class {qualname} in the model; {region} not routed",
+                                      stacklevel=2)
+            continue
+        _nightshift_route(cls, region, REGIONS[region])
+        routed.append(qualname)
+    return routed
+'''
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
+                        integration: IntegrationResult | None) -> tuple[str, list[_Part], dict[str, str]]:
+    """The merged module's text, its parts, and {region: why it was left out} for candidates
+    that cannot be merged."""
+    skipped: dict[str, str] = {}
+    usable = []
+    for w in winners:  # one candidate at a time first, so a broken one is reported, not fatal
+        try:
+            merge_candidates([w])
+            usable.append(w)
+        except CandidateSkipped as e:
+            skipped[w.region] = str(e)
+    futures, imports, parts = merge_candidates(usable)
+    head = [f'"""Tuned kernels for {model_name}, generated by `agent apply` (nightshift) from run {run_id}.',
+            "",
+            f"{model_name} routes its regions through the forwards below with one call, install(globals()).",
+            "Each region's candidate is merged in with its module-level names renamed to region-specific",
+            "ones. Regenerate with `agent apply RUN` rather than editing by hand; set NIGHTSHIFT_DISABLE=1",
+            "to run the original forwards.",
+            '"""']
+    text = "\n".join(head) + "\n"
+    if futures:
+        text += "\n".join(futures) + "\n"
+    text += "\n" + "\n".join(imports + ["import os as _nightshift_os", "import torch as _nightshift_torch",
+                                        "import warnings as _nightshift_warnings"]) + "\n"
+    if integration is not None and integration.workloads:
+        text += "\n# End to end (integration.json, " + ("CPU timing" if integration.timing_kind == "cpu" else
+                                                        f"GPU timing on {integration.generation or integration.device}") + "):\n"
+        for wl in integration.workloads:
+            text += (f"#   {wl.name}: {_fmt(wl.eager_ms, '.4g')} ms -> {_fmt(wl.tuned_ms, '.4g')} ms "
+                     f"({_fmt(wl.speedup, '.2f')}x), error {_fmt(wl.error, '.3g')} vs {wl.tolerance or 'n/a'}\n")
+    for part in parts:
+        w = part.winner
+        timing = "CPU timing" if w.timing in ("", "cpu") else f"timed on {w.timing}"
+        origin = ("kept end to end by integration" if w.chosen_by == "integration"
+                  else "best kept candidate in the run's store")
+        how = ", ".join(x for x in (f"planner {w.planner}" if w.planner else "",
+                                     f"template {w.template}" if w.template else "") if x)
+        renamed = ", ".join(f"{k} -> {v}" for k, v in sorted(part.renames.items()))
+        lines = [f"{w.region} (class {w.region_class}): candidate {w.candidate_hash}" + (f" ({how})" if how else ""),
+                 f"speedup {_fmt(w.speedup, '.2f')}x over the original forward (weighted over workloads, {timing})",
+                 f"error {_fmt(w.error, '.3g')} vs tolerance {w.tolerance}",
+                 f"run {run_id}: {origin}",
+                 f"renamed: {renamed}"]
+        text += "\n\n" + "# " + "=" * 88 + "\n" + "".join(f"# {x}\n" for x in lines) + "# " + "=" * 88 + "\n\n"
+        text += _statements(part.body)
+    text += "\n\n" + "# " + "=" * 88 + "\n# Routing: the model file calls install(globals()).\n\n"
+    text += "REGIONS = {" + ", ".join(f"{p.winner.region!r}: {p.forward}" for p in parts) + "}\n"
+    text += '"""Region -> its tuned forward(module, *inputs)."""\n'
+    text += "CLASSES = {" + ", ".join(f"{p.winner.region!r}: {p.winner.region_class!r}" for p in parts) + "}\n"
+    text += '"""Region -> qualified name of the module class whose forward it replaces."""\n'
+    text += ROUTING
+    tree = ast.parse(text)  # what we write must at least parse, with one definition per name
+    names = [t.id for s in tree.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)]
+    names += [s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.ClassDef))]
+    dupes = {n for n in names if names.count(n) > 1}
+    assert not dupes, f"merged module defines {sorted(dupes)} twice"
+    return text, parts, skipped
