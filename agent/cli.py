@@ -150,6 +150,10 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
          base_url: Optional[str] = typer.Option(None, help="API base URL (OpenAI-compatible servers too)."),
          max_usd: Optional[float] = typer.Option(None, help="Stop LLM proposals past this many dollars."),
          devices: Optional[str] = typer.Option(None, help="cuda:0,cuda:1 | cpu | cpu@a,cpu@b (default: idle GPUs)."),
+         executor: str = typer.Option("local", help="local (this machine's devices) or ray (a Ray cluster: "
+                                      "one worker actor per GPU, pools per generation)."),
+         ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default with --executor ray: "
+                                                   "start a local one)."),
          device: str = typer.Option("auto", help="Device for profiling and the frozen references."),
          workload: Optional[str] = typer.Option(None, help="Use one named workload only."),
          gpu_hours: float = typer.Option(0.25, help="Cap on device time over all devices, hours."),
@@ -175,6 +179,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         _fail("give either --model FILE (a new run) or --resume RUN (continue one)")
     rule = _stop_rule(gpu_hours, max_candidates, patience, max_usd)
     jobs.check_planner(planner, llm_model, base_url)
+    jobs.check_executor(executor, devices, ray_address)
     if resume is not None:
         run = RunFolder.open(resume)
     else:
@@ -210,7 +215,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         live.start()
     try:
         outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial, llm_model=llm_model,
-                                        base_url=base_url,
+                                        base_url=base_url, executor_name=executor, ray_address=ray_address,
                                         on_note=lambda note: err.print(f"note: {note}", markup=False))
         holder["budget"] = budget
     finally:

@@ -199,26 +199,40 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
              on_trial: Callable[[Trial], None] = lambda t: None, limits: Limits | None = None,
              on_note: Callable[[str], None] = lambda note: None,
              llm_model: str | None = None, base_url: str | None = None,
-             memory_gb: float = 8.0) -> tuple[Outcome, Budget]:
+             memory_gb: float = 8.0, executor_name: str = "local",
+             ray_address: str | None = None) -> tuple[Outcome, Budget]:
     problems = run.problems()
     if not problems:
         raise UserError(f"{run.path}: no frozen problems to tune (see skipped regions in run.json)")
     for p in problems:
         check_model_unchanged(p)
+    check_executor(executor_name, devices, ray_address)
+    if executor_name == "ray":
+        executor = _ray_executor(run, problems, ray_address, limits or Limits(budget_ms=150), memory_gb)
+        slots, notes, generations = [], [executor.describe()], executor.generations
+    else:
+        try:
+            slots, notes = parse_devices(devices)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        executor, generations = None, sorted({s.generation for s in slots})
     try:
-        slots, notes = parse_devices(devices)
         planner = make_planner(planner_spec, inbox=run.inbox, llm_model=llm_model, base_url=base_url,
                                max_usd=stop_rule.max_usd, record=_recorder(run), usd_spent=lambda: _usd(run),
-                               device=", ".join(sorted({s.generation for s in slots})))
+                               device=", ".join(generations))
     except (PlannerError, ValueError) as e:
+        if executor is not None:
+            executor.close()
         raise UserError(str(e)) from None
     for note in notes:
         on_note(note)
     if any(s.device == "cpu" for s in slots) and any(p.device != "cpu" for p in problems):
         on_note("the problems were frozen on a GPU but trials run on the CPU: CPU timings, and the "
                 "reference outputs come from another device")
-    executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems], limits or Limits(budget_ms=150),
-                             triton_cache=str(run.path / ".triton-cache"), memory_gb=memory_gb)
+    if executor is None:
+        executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems],
+                                 limits or Limits(budget_ms=150), triton_cache=str(run.path / ".triton-cache"),
+                                 memory_gb=memory_gb)
     history = load_history(run, problems, executor.generations)
     store = run.store()
     budget = Budget(stop_rule, spent_seconds=store.gpu_seconds(), candidates_tried=len(history.records))
@@ -229,13 +243,21 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
     def interrupt(signum, frame):  # first Ctrl-C: finish cleanly; second: the default
         stop.set()
         signal.signal(signal.SIGINT, previous)
-        for r in executor.runners:
-            r.worker.kill()
+        if hasattr(executor, "interrupt"):  # Ray: the run loop tells the actors
+            executor.interrupt()
+        else:
+            for r in executor.runners:
+                r.worker.kill()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, interrupt)
     try:
         outcome = tune(run, problems, planner, executor, budget, history, on_trial, stop.is_set)
+    except ValueError as e:  # ClusterError: the Ray cluster lost every worker of a target generation
+        if type(e).__name__ != "ClusterError":
+            raise
+        raise UserError(f"{str(e).splitlines()[0]}; continue with: agent tune --resume {run.path} "
+                        "--executor ray") from None
     finally:
         executor.close()
         if threading.current_thread() is threading.main_thread():
@@ -243,3 +265,36 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
     if stop.is_set():
         outcome.stop_reason = "interrupted (Ctrl-C)"
     return outcome, budget
+
+
+EXECUTORS = ("local", "ray")
+
+
+def check_executor(name: str, devices: str | None = None, ray_address: str | None = None) -> None:
+    """Fail before profiling when the executor cannot work (unknown name, Ray not installed)."""
+    if name not in EXECUTORS:
+        raise UserError(f"--executor {name!r}: use {' or '.join(EXECUTORS)}")
+    if ray_address and name != "ray":
+        raise UserError("--ray-address needs --executor ray")
+    if name == "ray":
+        if devices:
+            raise UserError("--devices is for --executor local; with --executor ray the cluster's GPUs "
+                            "(or its gen:LABEL resources) are the devices")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise UserError("--executor ray needs Ray: pip install 'nightshift[ray]'") from None
+
+
+def _ray_executor(run: RunFolder, problems: list[Problem], address: str | None, limits: Limits,
+                  memory_gb: float):
+    from agent.executors.ray import RayExecutor  # imports Ray itself only now
+    targets = sorted({g for p in problems for g in p.target_generations}) or None
+    try:
+        return RayExecutor([run.problems_dir / p.name for p in problems], address=address, targets=targets,
+                           limits=limits, memory_gb=memory_gb)
+    except ValueError as e:  # ClusterError: a target generation without workers
+        raise UserError(str(e).splitlines()[0]) from None
+    except (ConnectionError, RuntimeError) as e:
+        raise UserError(f"--ray-address {address or '(local)'}: cannot start or join the Ray cluster: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None

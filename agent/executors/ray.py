@@ -1,0 +1,508 @@
+"""Ray executor: the same trials as the local executor, on every GPU of a Ray cluster.
+
+    agent tune --model llama.py --executor ray [--ray-address ray://head:10001]
+
+Without an address a local Ray instance is started (this machine's GPUs, or one CPU worker).
+Ray is imported only when this executor is built; `pip install 'nightshift[ray]'`.
+
+Device pools per generation, one resource scheme
+-----------------------------------------------
+A node serves generation `G` when it carries either
+
+* a custom resource `gen:G` = the number of worker actors it hosts for `G` (one per GPU on a
+  GPU node: `ray start --resources '{"gen:H200": 8}'`; on CPU-only nodes, as in the tests'
+  simulated clusters, `gen:a: 2` gives two CPU workers labelled `a`), or, when it has no
+  `gen:*` resource at all,
+* GPUs and Ray's own `accelerator_type:T` resource (Ray sets it from the GPU's name, e.g.
+  `accelerator_type:H200`): `G = T`, one worker actor per GPU.
+
+Each worker actor is pinned to its node (node affinity, not soft), asks for `num_gpus=1` on
+GPU nodes (so Ray gives it its own `CUDA_VISIBLE_DEVICES`) and for one unit of `gen:G` (or a
+sliver, 0.001, of `accelerator_type:T`). The executor keeps one queue per generation; a job is
+(candidate, generation), and the loop makes one per target generation, so a candidate that
+passes on one generation is run on every other target before the loop can keep it
+(`History.kept` needs all of them). A target generation with no actor in the cluster is a
+`ClusterError` before the first trial, never a silent skip.
+
+Isolation and verification
+--------------------------
+Each actor hosts `workers_per_device` `sandbox.runner.TrialRunner`s (3 on a GPU, 1 on the
+CPU, sharing one device lock, as in the local executor): candidate code still runs only in a
+sandbox worker subprocess of the actor, with the same isolation. The verdict (tolerance,
+poisoned outputs, hashes, fresh inputs) is made by the TrialRunner in the actor process,
+which holds the frozen references and runs no candidate code; it is the same code and the
+same decision the tuner makes with the local executor, one process boundary further away
+(the actor is as trusted as the tuner: both run our code only). The frozen problem folders
+(and the model file) travel to the cluster once through Ray's object store (one `ray.put`)
+and are written to a temporary folder on each actor's node, not sent per trial. Actors
+return trials as JSON; the tuner process stays the only writer of the run's store.
+
+Faults
+------
+An actor or node lost mid-trial (`RayActorError`, a node death) costs that trial only: it is
+returned as `lost` (charged the wall time it held the device) and run once more on another
+live actor of the same generation; a second loss is final. Dead actors leave the pool; the
+next round (`run` call) tops the pools up again from what the cluster offers. Every trial's
+`gpu_seconds` is the device time on its node (a device costs its wall time once however many
+sandbox workers share it), so `--gpu-hours` counts GPU time on every node. Resume needs
+nothing from the executor: the loop skips every (candidate, generation) in the store (so a
+`lost` trial whose retry had not finished when the run stopped stays lost after a resume).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from agent.budget import Budget
+from sandbox.runner import Limits
+from tools.trial import Candidate, Status, Trial
+
+GEN_PREFIX = "gen:"
+ACCEL_PREFIX = "accelerator_type:"
+INSTALL_HINT = "pip install 'nightshift[ray]'"
+ROOT = Path(__file__).resolve().parent.parent.parent
+# Shipped to the cluster as the job's working_dir when this is a source checkout.
+CODE_EXCLUDES = ["runs", ".git", "tests", "bench", "build", "dist", ".venv", "*.egg-info", ".pytest_cache",
+                 ".nightshift-cache", "__pycache__"]
+MODEL_SIBLINGS_MAX_BYTES = 1 << 20
+
+
+class ClusterError(ValueError):
+    """The cluster cannot run this job (a target generation without workers, say)."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(f"--executor ray needs Ray: {INSTALL_HINT}") from None
+    return ray
+
+
+def connect(address: str | None = None) -> bool:
+    """Join the Ray cluster at `address` (or start a local one); True if this call did it.
+    The code travels as the job's working_dir when it runs from a source checkout."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    import logging
+    kwargs: dict[str, Any] = dict(log_to_driver=False, ignore_reinit_error=True, logging_level=logging.WARNING)
+    if (ROOT / "pyproject.toml").is_file() and (ROOT / "sandbox" / "worker.py").is_file():
+        kwargs["runtime_env"] = {"working_dir": str(ROOT), "excludes": CODE_EXCLUDES}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        import torch
+        extra = {} if torch.cuda.is_available() else {"resources": {f"{GEN_PREFIX}cpu": 1}}
+        ray.init(address="local", include_dashboard=False, **extra, **kwargs)
+    return True
+
+
+# -- pools: which node serves which generation, with how many workers ------------------------
+@dataclass
+class PoolSlot:
+    generation: str
+    node_id: str
+    count: int
+    gpu: bool
+    resource: str
+    amount: float
+
+
+def discover(nodes: list[dict]) -> dict[str, list[PoolSlot]]:
+    """Per generation, the nodes serving it (from `ray.nodes()`), by the scheme above."""
+    pools: dict[str, list[PoolSlot]] = {}
+    for n in nodes:
+        if not n.get("Alive", n.get("alive", False)):
+            continue
+        res, node = n.get("Resources", {}), n["NodeID"]
+        gpus = int(res.get("GPU", 0))
+        gens = {k[len(GEN_PREFIX):]: int(v) for k, v in res.items() if k.startswith(GEN_PREFIX) and int(v) > 0}
+        if gens:
+            for g, count in gens.items():
+                pools.setdefault(g, []).append(PoolSlot(g, node, count, gpus > 0, GEN_PREFIX + g, 1.0))
+        elif gpus > 0:
+            kinds = sorted(k for k in res if k.startswith(ACCEL_PREFIX))
+            g = kinds[0][len(ACCEL_PREFIX):] if kinds else "gpu"
+            pools.setdefault(g, []).append(PoolSlot(g, node, gpus, True, kinds[0] if kinds else "GPU",
+                                                    0.001 if kinds else 0.0))
+    return pools
+
+
+# -- the problems, shipped once -----------------------------------------------------------------
+def pack_problems(problem_dirs: list[Path]) -> list[dict]:
+    """Every file of each frozen problem folder, and its model file (with small sibling
+    modules), as bytes: one object in Ray's object store for the whole cluster."""
+    from tools.problem import Problem
+    out = []
+    for d in problem_dirs:
+        d = Path(d).resolve()
+        problem = Problem.load(d)
+        files = {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+        model = Path(problem.model_file)
+        siblings = [p for p in sorted(model.parent.glob("*.py")) if p != model]
+        if sum(p.stat().st_size for p in siblings) > MODEL_SIBLINGS_MAX_BYTES:
+            siblings = []
+        out.append({"name": problem.name, "files": files, "model_name": model.name,
+                    "model_files": {p.name: p.read_bytes() for p in [model, *siblings]}})
+    return out
+
+
+def unpack_problems(packed: list[dict], root: Path) -> list[Path]:
+    """Write the problems under `root` and point each at its local copy of the model file."""
+    import json
+    folders = []
+    for i, p in enumerate(packed):
+        model_dir = root / "model" / str(i)
+        model_dir.mkdir(parents=True)
+        for name, data in p["model_files"].items():
+            (model_dir / name).write_bytes(data)
+        folder = root / "problems" / p["name"]
+        for rel, data in p["files"].items():
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).write_bytes(data)
+        meta = json.loads((folder / "problem.json").read_text())
+        meta["model_file"] = str(model_dir / p["model_name"])  # hashes cover the tensors, not this path
+        (folder / "problem.json").write_text(json.dumps(meta, indent=2))
+        folders.append(folder)
+    return folders
+
+
+# -- the actor: one per device ------------------------------------------------------------------
+class TrialActor:
+    """One device of the cluster: `workers` sandbox workers sharing its lock. Runs no
+    candidate code itself; judges what its workers return, as the tuner does locally."""
+
+    def __init__(self, generation: str, gpu: bool, workers: int, packed: list[dict], limits: Limits,
+                 memory_gb: float):
+        import ray
+        from sandbox.client import WorkerConfig
+        from sandbox.runner import TrialRunner
+        self.generation = generation
+        self.device = "cuda:0" if gpu else "cpu"  # Ray made this actor's GPU its cuda:0
+        self.node_id = ray.get_runtime_context().get_node_id()
+        gpu_ids = ray.get_gpu_ids() if gpu else []
+        # Names the device in trials: `cuda:<physical id>@<node>` or `cpu@<node>.<pid>`.
+        self.label = (f"cuda:{gpu_ids[0]}@{self.node_id[:8]}" if gpu_ids else
+                      f"{self.device}@{self.node_id[:8]}" if gpu else f"cpu@{self.node_id[:8]}.{os.getpid()}")
+        self.root = Path(tempfile.mkdtemp(prefix=f"nightshift-ray-{generation}-"))
+        folders = unpack_problems(packed, self.root)
+        cache = os.path.join(tempfile.gettempdir(), "nightshift-triton-cache")  # per node, content-addressed
+        lock = threading.Lock() if gpu else None
+        self.runners = []
+        for _ in range(workers):
+            r = TrialRunner(self.device, limits, WorkerConfig(device=self.device, triton_cache=cache,
+                                                              memory_gb=memory_gb), device_lock=lock)
+            for f in folders:
+                r.add_problem(f)
+            self.runners.append(r)
+        self.busy: set[int] = set()
+        self.free: queue.Queue = queue.Queue()
+        for r in self.runners:
+            self.free.put(r)
+        self.charged_until = 0.0
+        self.charge_lock = threading.Lock()
+
+    def ready(self) -> dict:
+        import socket
+        return {"node_id": self.node_id, "pid": os.getpid(), "host": socket.gethostname(), "label": self.label,
+                "generation": self.generation, "workers": len(self.runners)}
+
+    def run(self, candidate_json: str, candidate_path: str) -> str:
+        cand = Candidate.model_validate_json(candidate_json)
+        runner = self.free.get()
+        self.busy.add(id(runner))
+        try:
+            trial = runner.run(cand, candidate_path=candidate_path)
+        except Exception as e:  # a harness bug costs this trial, not the night
+            trial = Trial(region=cand.region, candidate_hash=cand.hash, status=Status.lost,
+                          reason=f"harness error: {type(e).__name__}: {e}", device=self.device)
+        finally:
+            self.busy.discard(id(runner))
+            self.free.put(runner)
+        trial.generation = self.generation
+        trial.device = self.label
+        trial.phases["wall"] = trial.gpu_seconds
+        trial.gpu_seconds = self._charge(trial)
+        return trial.model_dump_json()
+
+    def _charge(self, trial: Trial) -> float:
+        """This device's seconds not already charged to a sibling worker (as LocalExecutor)."""
+        end, start = trial.finished_at, trial.finished_at - trial.gpu_seconds
+        with self.charge_lock:
+            done, self.charged_until = self.charged_until, max(self.charged_until, end)
+            return max(0.0, end - max(start, done))
+
+    def interrupt(self) -> None:
+        """Stop the trials running now (the tuner was interrupted); idle workers stay up."""
+        for r in self.runners:
+            if id(r) in self.busy:
+                r.worker.kill()
+
+    def close(self) -> None:
+        for r in self.runners:
+            r.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass
+class ActorRef:
+    handle: Any
+    generation: str
+    node_id: str
+    slots: int
+    label: str = ""
+    pid: int = 0
+    alive: bool = True
+    busy: int = 0
+
+
+@dataclass
+class _Job:
+    candidate: Candidate
+    generation: str
+    path: str
+    attempt: int = 0
+    avoid: set = field(default_factory=set)
+
+
+@dataclass
+class _Flight:
+    job: _Job
+    actor: ActorRef
+    token: int
+    sent: float
+
+
+class RayExecutor:
+    """Executor protocol of `agent.loop` over a Ray cluster; see the module docstring."""
+
+    def __init__(self, problem_dirs: list[Path], address: str | None = None, targets: list[str] | None = None,
+                 limits: Limits | None = None, memory_gb: float = 8.0, workers_per_device: int | None = None,
+                 ready_timeout: float = 300.0):
+        ray = import_ray()
+        self.ray = ray
+        self.owns_ray = connect(address)
+        try:
+            self.limits = limits or Limits()
+            self.memory_gb = memory_gb
+            self.workers_per_device = workers_per_device
+            self.ready_timeout = ready_timeout
+            self.start_errors: list[str] = []
+            pools = discover(ray.nodes())
+            wanted = sorted(set(targets)) if targets else sorted(pools)
+            self._check(wanted, pools)
+            self.targets = wanted
+            self.packed = ray.put(pack_problems(problem_dirs))  # once, for every actor of the cluster
+            self.remote_cls = ray.remote(TrialActor)
+            self.actors: list[ActorRef] = []
+            self.tokens = itertools.count()
+            self.stopping = threading.Event()
+            self._top_up()
+            self._check(wanted, self._live_pools(), started=True)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- pools -------------------------------------------------------------------------------
+    def _check(self, wanted: list[str], pools: dict, started: bool = False) -> None:
+        missing = [g for g in wanted if not pools.get(g)]
+        if not wanted or missing:
+            have = ", ".join(sorted(g for g, v in pools.items() if v)) or "none"
+            what = "no worker actor could start for" if started else "the Ray cluster has no worker of"
+            why = f"; first failure: {self.start_errors[0]}" if started and self.start_errors else ""
+            raise ClusterError(
+                f"{what} target generation{'s' if len(missing) != 1 else ''} "
+                f"{', '.join(missing) or '(none found)'} (cluster generations: {have}); a node serves "
+                f"generation G with the custom resource '{GEN_PREFIX}G' or GPUs labelled '{ACCEL_PREFIX}G'{why}")
+
+    def _live_pools(self) -> dict[str, list[ActorRef]]:
+        out: dict[str, list[ActorRef]] = {}
+        for a in self.actors:
+            if a.alive:
+                out.setdefault(a.generation, []).append(a)
+        return out
+
+    def _top_up(self) -> None:
+        """Start actors for every free device of the target generations (first call: all)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        ray = self.ray
+        have: dict[tuple[str, str], int] = {}
+        for a in self.actors:
+            if a.alive:
+                have[(a.generation, a.node_id)] = have.get((a.generation, a.node_id), 0) + 1
+        new: list[ActorRef] = []
+        for g in self.targets:
+            for slot in discover(ray.nodes()).get(g, []):
+                workers = self.workers_per_device or (3 if slot.gpu else 1)
+                for _ in range(slot.count - have.get((g, slot.node_id), 0)):
+                    handle = self.remote_cls.options(
+                        num_cpus=0, num_gpus=1 if slot.gpu else 0,
+                        resources={slot.resource: slot.amount} if slot.amount else {},
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=False),
+                        max_concurrency=workers + 2, max_restarts=0, max_task_retries=0,
+                    ).remote(g, slot.gpu, workers, self.packed, self.limits, self.memory_gb)
+                    new.append(ActorRef(handle, g, slot.node_id, workers))
+        if not new:
+            return
+        refs = {a.handle.ready.remote(): a for a in new}
+        done, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.ready_timeout)
+        for ref in done:
+            a = refs[ref]
+            try:
+                info = ray.get(ref)
+                a.label, a.pid = info["label"], info["pid"]
+                self.actors.append(a)
+            except ray.exceptions.RayError as e:
+                lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+                self.start_errors.append(f"{a.generation}: {lines[-1] if lines else type(e).__name__}")
+                ray.kill(a.handle, no_restart=True)
+        for ref in pending:  # could not be placed in time: do not count on it
+            self.start_errors.append(f"{refs[ref].generation}: not placed within {self.ready_timeout:g} s")
+            ray.kill(refs[ref].handle, no_restart=True)
+
+    @property
+    def generations(self) -> list[str]:
+        return list(self.targets)
+
+    def describe(self) -> str:
+        """One line: the pools, e.g. `Ray: H200 8 devices on 1 node, H100 16 devices on 2 nodes`."""
+        parts = []
+        for g, actors in sorted(self._live_pools().items()):
+            nodes = len({a.node_id for a in actors})
+            parts.append(f"{g} {len(actors)} device{'s' * (len(actors) != 1)} on {nodes} node{'s' * (nodes != 1)}")
+        return "Ray: " + ", ".join(parts)
+
+    @property
+    def runners(self) -> list[ActorRef]:
+        """One entry per sandbox worker in the cluster (the loop sizes its batches by it)."""
+        return [a for a in self.actors if a.alive for _ in range(a.slots)]
+
+    # -- running ---------------------------------------------------------------------------------
+    def run(self, jobs: list[tuple[Candidate, str, str]], budget: Budget,
+            should_stop: Callable[[], bool] = lambda: False) -> Iterator[Trial]:
+        """Run (candidate, generation, saved path) jobs on the cluster; yields trials as they finish."""
+        ray = self.ray
+        self.stopping.clear()
+        self._top_up()  # replace actors lost in an earlier round, where the cluster still has room
+        self._check(sorted({g for _, g, _ in jobs}), self._live_pools(), started=True)
+        queues: dict[str, deque[_Job]] = {g: deque() for g in self.targets}
+        for cand, gen, path in jobs:
+            if gen not in queues:
+                raise ClusterError(f"job for generation {gen!r}, which is not a target of this executor "
+                                   f"({', '.join(self.targets)})")
+            queues[gen].append(_Job(cand, gen, path))
+        flights: dict[Any, _Flight] = {}
+        launching = True
+
+        def stopped() -> bool:
+            return should_stop() or self.stopping.is_set()
+
+        while True:
+            if stopped():  # interrupted: what is in flight is not a result, so resume runs it again
+                for fl in flights.values():
+                    budget.cancel(fl.token)
+                    fl.actor.busy -= 1
+                busy = {id(fl.actor): fl.actor for fl in flights.values()}.values()
+                asked = [a.handle.interrupt.remote() for a in busy]
+                if asked:  # done before the next round can hand these actors new work
+                    ray.wait(asked, num_returns=len(asked), timeout=30)
+                return
+            while launching:
+                job, actor = self._next(queues)
+                if job is None:
+                    break
+                if actor is None:  # nobody left of that generation: the job is lost, not hung
+                    queues[job.generation].popleft()
+                    yield self._lost(job, None, time.time(), "no live worker of generation "
+                                     f"{job.generation} left in the cluster")
+                    continue
+                token = next(self.tokens)
+                if not budget.try_launch(token):
+                    launching = False
+                    break
+                queues[job.generation].popleft()
+                actor.busy += 1
+                ref = actor.handle.run.remote(job.candidate.model_dump_json(), job.path)
+                flights[ref] = _Flight(job, actor, token, time.time())
+            if not flights:
+                return
+            ready, _ = ray.wait(list(flights), num_returns=1, timeout=0.2)
+            for ref in ready:
+                fl = flights.pop(ref)
+                fl.actor.busy -= 1
+                try:
+                    trial = Trial.model_validate_json(ray.get(ref))
+                except ray.exceptions.RayTaskError as e:  # our method raised: a harness bug
+                    trial = self._lost(fl.job, fl.actor, fl.sent, f"harness error in the worker actor: {e}")
+                except ray.exceptions.RayError as e:  # the actor or its node is gone
+                    fl.actor.alive = False
+                    retry = fl.job.attempt == 0
+                    then = "retried on another worker" if retry else "not retried again"
+                    trial = self._lost(fl.job, fl.actor, fl.sent,
+                                       f"worker actor {fl.actor.label} lost mid-trial ({type(e).__name__}); {then}")
+                    if retry:
+                        queues[fl.job.generation].appendleft(
+                            _Job(fl.job.candidate, fl.job.generation, fl.job.path, 1, fl.job.avoid | {id(fl.actor)}))
+                if stopped():
+                    budget.cancel(fl.token)
+                    continue
+                budget.finish(fl.token, trial)
+                yield trial
+
+    def _next(self, queues: dict[str, deque[_Job]]) -> tuple[_Job | None, ActorRef | None]:
+        """The first job that an idle actor can take, and that actor (least busy first); a job
+        whose generation has no live actor at all comes back with None."""
+        live = self._live_pools()
+        for g, q in queues.items():
+            if not q:
+                continue
+            job = q[0]
+            ok = [a for a in live.get(g, []) if id(a) not in job.avoid]
+            if not ok:
+                return job, None
+            idle = [a for a in ok if a.busy < a.slots]
+            if idle:
+                return job, min(idle, key=lambda a: a.busy)
+        return None, None
+
+    def _lost(self, job: _Job, actor: ActorRef | None, sent: float, reason: str) -> Trial:
+        now = time.time()
+        c = job.candidate
+        return Trial(region=c.region, candidate_hash=c.hash, candidate_path=job.path, planner=c.planner,
+                     template=c.template, params=c.params, status=Status.lost, reason=reason,
+                     device=actor.label if actor else "", generation=job.generation,
+                     gpu_seconds=max(0.0, now - sent) if actor else 0.0, started_at=sent, finished_at=now)
+
+    def interrupt(self) -> None:
+        """Ask a running `run` to stop (safe from a signal handler: it only sets a flag)."""
+        self.stopping.set()
+
+    def close(self) -> None:
+        ray = getattr(self, "ray", None)
+        if ray is None or not ray.is_initialized():
+            return
+        actors = [a for a in getattr(self, "actors", []) if a.alive]
+        if actors:
+            try:
+                ray.wait([a.handle.close.remote() for a in actors], num_returns=len(actors), timeout=30)
+            except Exception:
+                pass
+        for a in getattr(self, "actors", []):
+            try:
+                ray.kill(a.handle, no_restart=True)
+            except Exception:
+                pass
+        self.actors = []
+        if getattr(self, "owns_ray", False):
+            ray.shutdown()
