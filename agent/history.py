@@ -66,12 +66,13 @@ class History:
         return self.generations.get(region) or sorted({t.generation for t in self.trials if t.region == region})
 
     def done(self, region: str, digest: str, generation: str) -> bool:
+        """Finished on this generation; a trial `lost` with its worker is not a result."""
         rec = self.records.get((region, digest))
-        return rec is not None and generation in rec.by_generation
+        trial = rec.by_generation.get(generation) if rec else None
+        return trial is not None and trial.status is not Status.lost
 
     def tried(self, region: str, digest: str) -> bool:
-        rec = self.records.get((region, digest))
-        return rec is not None and all(g in rec.by_generation for g in self.targets(region))
+        return all(self.done(region, digest, g) for g in self.targets(region))
 
     def region_records(self, region: str) -> list[CandidateRecord]:
         return [r for (reg, _), r in self.records.items() if reg == region]

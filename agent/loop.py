@@ -76,7 +76,11 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                 break
             jobs = []
             fresh = _unique(upcoming.result(), history)
-            for c in fresh[: budget.admit(len(fresh))]:
+            # Candidates already counted (tried on some generations, e.g. before a resume)
+            # finish their remaining generations without counting against the cap again.
+            known = [c for c in fresh if (c.region, c.hash) in history.records]
+            new = [c for c in fresh if (c.region, c.hash) not in history.records]
+            for c in known + new[: budget.admit(len(new))]:
                 path = str(run.save_candidate(c.source, c.hash))
                 jobs += [(c, g, path) for g in history.targets(c.region) if not history.done(c.region, c.hash, g)]
             if not jobs:
