@@ -46,8 +46,15 @@ def _guard(fn):
         except (UserError, ModelFileError, ProblemError) as e:
             _fail(str(e))
         except ValidationError as e:
-            _fail("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
+            _fail("; ".join(_validation_text(x) for x in e.errors()))
     return wrapper
+
+
+def _validation_text(error: dict) -> str:
+    """Our validators already name the field; pydantic's own messages do not."""
+    msg = error["msg"].removeprefix("Value error, ")
+    field = ".".join(map(str, error["loc"]))
+    return msg if field and msg.startswith(field) else f"{field}: {msg}"
 
 
 def _names(text: Optional[str]) -> Optional[list[str]]:
