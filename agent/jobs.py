@@ -21,8 +21,8 @@ from agent.planners import PlannerError, make_planner
 from sandbox.runner import Limits, TrialRunner
 from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
-from tools.modelfile import ModelFileError, file_sha256, load_model
-from tools.problem import Problem, ProblemError, StopRule, Tolerance
+from tools.modelfile import file_sha256, load_model
+from tools.problem import Problem, StopRule, Tolerance
 from tools.profiler import ProfileResult, profile_model, select_regions
 from tools.runfolder import RunFolder, RunInfo
 from tools.trial import Candidate, Trial
