@@ -81,7 +81,3 @@ class Budget:
 
     def region_open(self, region: str) -> bool:
         return self.stale[region] < self.rule.patience
-
-    @property
-    def left_seconds(self) -> float:
-        return max(0.0, self.cap_seconds - self.spent)

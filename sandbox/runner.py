@@ -116,12 +116,6 @@ class TrialRunner:
         self.worker_starts_seen = self.worker.starts
         return None
 
-    @property
-    def identity(self) -> dict[str, str]:
-        h = self.worker.hello
-        return {"device": self.device, "device_name": h.get("device_name", ""),
-                "generation": h.get("generation", "")}
-
     # -- one trial ---------------------------------------------------------------------------
     def run(self, candidate: Candidate, *, candidate_path: str = "", do_time: bool = True) -> Trial:
         t0, started, self.phases = time.monotonic(), time.time(), {}

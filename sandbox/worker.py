@@ -21,9 +21,11 @@ What is NOT isolated, said plainly:
 - the worker's own memory: candidate code can patch torch or this module. We snapshot the
   identity of torch's and the harness's functions before any candidate and flag changes,
   and the parent cross-checks reported times with its wall clock, but a determined
-  adversary with code execution here could still lie about timings. Winners are re-timed
-  in fresh workers by the loop and end to end by integration for that reason;
-- the GPU: shared with the other workers' device-time lock holder only by the scheduler.
+  adversary with code execution here could still lie about timings. Integration therefore
+  re-times the winners end to end in a fresh worker (sandbox/integrate_op.py);
+- the GPU: sibling workers on the same device take turns through the executor's device
+  lock for verification and timing, but their imports and first (compiling) calls may
+  overlap another worker's timing; nothing stops a candidate from using the whole device.
 """
 
 from __future__ import annotations

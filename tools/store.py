@@ -117,10 +117,6 @@ class Store:
         for (body,) in self.db.execute(q + " ORDER BY id", args):
             yield Trial.model_validate_json(body)
 
-    def done_keys(self) -> set[tuple[str, str, str]]:
-        """(region, candidate hash, generation) of every finished trial, for resume."""
-        return set(self.db.execute("SELECT region, candidate_hash, generation FROM trials"))
-
     def gpu_seconds(self) -> float:
         return float(self.db.execute("SELECT COALESCE(SUM(gpu_seconds), 0) FROM trials").fetchone()[0])
 
