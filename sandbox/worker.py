@@ -281,20 +281,44 @@ class Worker:
 
 
 class _fill_uninitialized:
-    """torch.empty returns NaN-filled memory while active (deterministic mode's fill)."""
+    """While active, fresh memory from torch.empty & co. is filled: with NaN (deterministic
+    mode's fill) for the first run, with a finite sentinel for the others. An output never
+    written then reads NaN in one run and not in the other, whatever the allocator hands out
+    (on the CPU, malloc may return the first run's NaN-filled block to the second)."""
 
-    def __init__(self, torch, on: bool):
-        self.torch, self.on = torch, on
+    SENTINEL = 7777.0
+
+    def __init__(self, torch, nan: bool):
+        self.torch, self.nan, self.mode = torch, nan, None
 
     def __enter__(self):
-        if self.on:
+        torch = self.torch
+        if self.nan:
             warnings.filterwarnings("ignore")
-            self.torch.use_deterministic_algorithms(True, warn_only=True)
-            self.torch.utils.deterministic.fill_uninitialized_memory = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.utils.deterministic.fill_uninitialized_memory = True
+            return
+        from torch.utils._python_dispatch import TorchDispatchMode
+        aten = torch.ops.aten
+        empties = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+                   aten.new_empty.default, aten.new_empty_strided.default}
+        sentinel = self.SENTINEL
+
+        class FillEmpty(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in empties and isinstance(out, torch.Tensor) and out.numel():
+                    out.fill_(sentinel if (out.is_floating_point() or out.is_complex()) else 77)
+                return out
+
+        self.mode = FillEmpty()
+        self.mode.__enter__()
 
     def __exit__(self, *exc):
-        if self.on:
+        if self.nan:
             self.torch.use_deterministic_algorithms(False)
+        elif self.mode is not None:
+            self.mode.__exit__(*exc)
 
 
 def _plain(out: Any) -> list:
