@@ -161,6 +161,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
                                       "one worker actor per GPU, pools per generation)."),
          ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default with --executor ray: "
                                                    "start a local one)."),
+         workers_per_gpu: int = typer.Option(0, help="Sandbox workers sharing each GPU (0: by CPU cores per GPU)."),
          device: str = typer.Option("auto", help="Device for profiling and the frozen references."),
          workload: Optional[str] = typer.Option(None, help="Use one named workload only."),
          gpu_hours: float = typer.Option(0.25, help="Cap on device time over all devices, hours."),
@@ -187,6 +188,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     rule = _stop_rule(gpu_hours, max_candidates, patience, max_usd)
     jobs.check_planner(planner, llm_model, base_url)
     jobs.check_executor(executor, devices, ray_address)
+    if workers_per_gpu < 0:
+        _fail(f"--workers-per-gpu must be 0 (automatic) or more, not {workers_per_gpu}")
     if resume is not None:
         run = RunFolder.open(resume)
     else:
@@ -223,6 +226,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     try:
         outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial, llm_model=llm_model,
                                         base_url=base_url, executor_name=executor, ray_address=ray_address,
+                                        workers_per_gpu=workers_per_gpu or None,
                                         on_note=lambda note: err.print(f"note: {note}", markup=False))
         holder["budget"] = budget
     finally:

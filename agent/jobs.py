@@ -200,7 +200,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
              on_note: Callable[[str], None] = lambda note: None,
              llm_model: str | None = None, base_url: str | None = None,
              memory_gb: float = 8.0, executor_name: str = "local",
-             ray_address: str | None = None) -> tuple[Outcome, Budget]:
+             ray_address: str | None = None, workers_per_gpu: int | None = None) -> tuple[Outcome, Budget]:
     problems = run.problems()
     if not problems:
         raise UserError(f"{run.path}: no frozen problems to tune (see skipped regions in run.json)")
@@ -208,7 +208,8 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
         check_model_unchanged(p)
     check_executor(executor_name, devices, ray_address)
     if executor_name == "ray":
-        executor = _ray_executor(run, problems, ray_address, limits or Limits(budget_ms=150), memory_gb)
+        executor = _ray_executor(run, problems, ray_address, limits or Limits(budget_ms=150), memory_gb,
+                                 workers_per_gpu)
         slots, notes, generations = [], [executor.describe()], executor.generations
     else:
         try:
@@ -232,7 +233,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
     if executor is None:
         executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems],
                                  limits or Limits(budget_ms=150), triton_cache=str(run.path / ".triton-cache"),
-                                 memory_gb=memory_gb)
+                                 memory_gb=memory_gb, workers_per_device=workers_per_gpu)
     history = load_history(run, problems, executor.generations)
     store = run.store()
     budget = Budget(stop_rule, spent_seconds=store.gpu_seconds(), candidates_tried=len(history.records))
@@ -287,12 +288,12 @@ def check_executor(name: str, devices: str | None = None, ray_address: str | Non
 
 
 def _ray_executor(run: RunFolder, problems: list[Problem], address: str | None, limits: Limits,
-                  memory_gb: float):
+                  memory_gb: float, workers_per_gpu: int | None = None):
     from agent.executors.ray import RayExecutor  # imports Ray itself only now
     targets = sorted({g for p in problems for g in p.target_generations}) or None
     try:
         return RayExecutor([run.problems_dir / p.name for p in problems], address=address, targets=targets,
-                           limits=limits, memory_gb=memory_gb)
+                           limits=limits, memory_gb=memory_gb, workers_per_device=workers_per_gpu)
     except ValueError as e:  # ClusterError: a target generation without workers
         raise UserError(str(e).splitlines()[0]) from None
     except (ConnectionError, RuntimeError) as e:

@@ -1,75 +1,147 @@
-"""The search loop's own efficiency on a GPU (issue 4), from a real `agent tune` run.
+"""The search loop's own efficiency on a GPU (issue 4), from real `agent tune` runs.
 
-    python bench/tune_bench.py OUT_DIR [GPU_HOURS] [extra agent tune flags...]
+    python bench/tune_bench.py OUT_DIR [--gpu-hours H] [--workers 3,6] [-- extra agent tune flags]
+    python bench/tune_bench.py OUT_DIR --analyze runs/<run>     (the same tables for a finished run)
 
-Runs `agent tune --model examples/llama.py` with the template planner, then reads the run's
-store: per region the best speedup (GPU timings, side by side in one worker) and the trial
-that found it, trials per GPU-hour, and the share of the search's wall time the GPU spent
-verifying or timing (compile and import time excluded).
+For each worker count (sandbox workers sharing each GPU), runs `agent tune --model
+examples/llama.py` with the template planner, samples the GPU's own utilisation through NVML
+meanwhile, then reads the run's store and prints:
+- per region: trials, passing, best speedup (GPU timings, side by side in one worker), the
+  trial that found it, and trials per GPU-hour for that region (its trials over the device
+  time charged to them);
+- the harness: trials per GPU-hour over the whole search, the share of the search's wall time
+  a worker held the GPU to verify or time (the device lock), NVML's kernel-active share, and
+  the mean seconds per trial of each phase (start, load = import + compile, verify, time,
+  verify_outputs = hashing and sending outputs, judge = the parent's comparison).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "bench-out")
-hours = sys.argv[2] if len(sys.argv) > 2 else "0.05"
-extra = sys.argv[3:]
-out_dir.mkdir(parents=True, exist_ok=True)
-t0 = time.time()
-proc = subprocess.run([sys.executable, "-m", "agent", "tune", "--model", "examples/llama.py", "--gpu-hours", hours,
-                       "--max-candidates", "400", "--runs-dir", str(out_dir / "runs"), "--json", *extra],
-                      cwd=ROOT, capture_output=True, text=True)
-wall = time.time() - t0
-(out_dir / "tune.stdout").write_text(proc.stdout)
-(out_dir / "tune.stderr").write_text(proc.stderr)
-if proc.returncode != 0:
-    print(proc.stderr[-3000:])
-    sys.exit(proc.returncode)
-summary = json.loads(proc.stdout)
 
-from tools.runfolder import RunFolder  # noqa: E402
+def nvml_sampler(stop: threading.Event, samples: list[int]) -> None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:
+        return
+    while not stop.wait(0.25):
+        samples.append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
 
-run = RunFolder.open(Path(summary["run"]))
-trials = list(run.store(readonly=True).trials())
-start = min(t.started_at for t in trials)
-end = max(t.finished_at for t in trials)
-search_wall = end - start
-busy = sum(t.phases.get("verify", 0) + t.phases.get("time", 0) for t in trials)
-held = sum(t.gpu_seconds for t in trials)  # charged device time (union over the device's workers)
-print(f"agent tune: {wall:.0f} s in all, search {search_wall:.0f} s, {len(trials)} trials, "
-      f"stop: {summary['stop_reason']}")
-print(f"trials per GPU-hour (search wall): {len(trials) / (search_wall / 3600):.0f}; "
-      f"GPU busy verifying or timing: {busy / search_wall:.0%} of the search's wall time "
-      f"(GPU-hours charged: {held / 3600:.4f} of {hours} cap)")
-print(f"{'region':<16} {'trials':>6} {'ok':>4} {'best':>7} {'found at':>8} {'error':>9} {'tol':>12}  template / per-workload")
-for p in run.problems():
-    ts = [t for t in trials if t.region == p.name]
-    ok = [t for t in ts if t.ranked]
-    if not ok:
-        print(f"{p.name:<16} {len(ts):>6} {0:>4} {'-':>7}")
-        continue
-    best = max(ok, key=lambda t: t.speedup)
-    at = ts.index(best) + 1
-    per = ", ".join(f"{x.workload} {x.baseline_ms:.4f}->{x.candidate_ms:.4f} ms" for x in best.timings)
-    print(f"{p.name:<16} {len(ts):>6} {len(ok):>4} {best.speedup:>6.2f}x {at:>8} {best.error:>9.2g} "
-          f"{str(p.tolerance):>12}  {best.template} {best.params.get('tune')} | {per}")
-    by_template: dict[str, float] = {}
-    for t in ok:
-        by_template[t.template or "?"] = max(by_template.get(t.template or "?", 0), t.speedup)
-    print(f"{'':<16} best per template: {by_template}")
-fails: dict[str, int] = {}
-for t in trials:
-    if t.status.value != "ok":
-        fails[t.status.value] = fails.get(t.status.value, 0) + 1
-print(f"rejected: {fails}")
-for status in fails:
-    t = next(t for t in trials if t.status.value == status)
-    print(f"  e.g. {status}: {t.region} {t.template}: {t.reason[:150]}")
+
+def one_run(out_dir: Path, hours: str, workers: int, extra: list[str]) -> dict:
+    stop, util = threading.Event(), []
+    sampler = threading.Thread(target=nvml_sampler, args=(stop, util), daemon=True)
+    sampler.start()
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "agent", "tune", "--model", "examples/llama.py", "--gpu-hours",
+                           hours, "--max-candidates", "4000", "--workers-per-gpu", str(workers), "--runs-dir",
+                           str(out_dir / "runs"), "--json", "--no-integrate", *extra],
+                          cwd=ROOT, capture_output=True, text=True)
+    stop.set()
+    wall = time.time() - t0
+    (out_dir / f"tune-w{workers}.stdout").write_text(proc.stdout)
+    (out_dir / f"tune-w{workers}.stderr").write_text(proc.stderr)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:])
+        sys.exit(proc.returncode)
+    summary = json.loads(proc.stdout)
+    stats = analyze(Path(summary["run"]))
+    return {"workers": workers, "wall": wall, "stop": summary["stop_reason"],
+            "nvml": statistics.mean(util) if util else None, **stats}
+
+
+def analyze(run_dir: Path) -> dict:
+    """Efficiency and results of one run folder, from its store."""
+    from tools.runfolder import RunFolder
+    run = RunFolder.open(run_dir)
+    trials = sorted(run.store(readonly=True).trials(), key=lambda t: t.finished_at)
+    start = min(t.started_at for t in trials)
+    search_wall = max(t.finished_at for t in trials) - start
+    held = sum(t.phases.get("verify", 0) + t.phases.get("time", 0) for t in trials)
+    charged = sum(t.gpu_seconds for t in trials)
+    # Steady state: after the last worker (re)start, so start-up does not dilute the rate.
+    started = [t.finished_at for t in trials if t.phases.get("start")]
+    steady_from = max(started) if started else start
+    steady = [t for t in trials if t.finished_at > steady_from]
+    steady_wall = max(t.finished_at for t in trials) - steady_from
+    steady_rate = len(steady) / (steady_wall / 3600) if steady and steady_wall > 0 else None
+    steady_lock = (sum(t.phases.get("verify", 0) + t.phases.get("time", 0) for t in steady) / steady_wall
+                   if steady and steady_wall > 0 else None)
+    phases = {}
+    for key in ("start", "load", "verify", "time", "verify_outputs", "wall"):
+        phases[key] = sum(t.phases.get(key, 0.0) for t in trials) / len(trials)
+    phases["judge+wait"] = phases["wall"] - sum(phases[k] for k in ("start", "load", "verify", "time",
+                                                                    "verify_outputs"))
+    regions = []
+    for p in run.problems():
+        ts = [t for t in trials if t.region == p.name]
+        ok = [t for t in ts if t.ranked]
+        row = {"region": p.name, "trials": len(ts), "ok": len(ok),
+               "per_gpu_hour": len(ts) / max(1e-9, sum(t.gpu_seconds for t in ts) / 3600)}
+        if ok:
+            best = max(ok, key=lambda t: t.speedup)
+            row.update(best=best.speedup, at=ts.index(best) + 1, error=best.error, tol=str(p.tolerance),
+                       template=best.template, params=best.params.get("tune"),
+                       per=", ".join(f"{x.workload} {x.baseline_ms:.4f}->{x.candidate_ms:.4f}" for x in best.timings))
+        regions.append(row)
+    fails: dict[str, int] = {}
+    for t in trials:
+        if t.status.value != "ok":
+            fails[t.status.value] = fails.get(t.status.value, 0) + 1
+    return {"search_wall": search_wall, "trials": len(trials), "per_gpu_hour": len(trials) / (search_wall / 3600),
+            "lock_share": held / search_wall, "charged_h": charged / 3600, "phases": phases, "regions": regions,
+            "fails": fails, "steady": {"trials": len(steady), "seconds": steady_wall, "per_gpu_hour": steady_rate,
+                                        "lock_share": steady_lock}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--gpu-hours", default="0.05")
+    ap.add_argument("--workers", default="0", help="comma-separated workers per GPU (0: automatic)")
+    ap.add_argument("--analyze", type=Path, help="only print the tables for this existing run folder")
+    args, extra = ap.parse_known_args()
+    args.extra = [x for x in extra if x != "--"]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.analyze:
+        results = [{"workers": "?", "wall": 0.0, "stop": "(existing run)", "nvml": None, **analyze(args.analyze)}]
+    else:
+        results = [one_run(args.out_dir, args.gpu_hours, int(w), args.extra) for w in args.workers.split(",")]
+    (args.out_dir / "tune_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    for r in results:
+        print(f"\n== {r['workers'] or 'auto'} workers/GPU: {r['trials']} trials, search {r['search_wall']:.0f} s "
+              f"(agent tune {r['wall']:.0f} s), stop: {r['stop']}")
+        print(f"trials per GPU-hour {r['per_gpu_hour']:.0f}; GPU held to verify or time {r['lock_share']:.0%} of "
+              f"the search's wall time; NVML kernel-active {r['nvml'] if r['nvml'] is None else round(r['nvml'])}%; "
+              f"GPU-hours charged {r['charged_h']:.4f} of {args.gpu_hours}")
+        st = r["steady"]
+        if st["per_gpu_hour"]:
+            print(f"steady state (after the last worker start): {st['trials']} trials in {st['seconds']:.0f} s, "
+                  f"{st['per_gpu_hour']:.0f} per GPU-hour, GPU held {st['lock_share']:.0%}")
+        print("mean s per trial: " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases"].items()))
+        print(f"{'region':<16} {'trials':>6} {'ok':>4} {'/GPU-h':>7} {'best':>7} {'at':>5} {'error':>9} {'tol':>12}"
+              "  template params | per workload ms")
+        for x in r["regions"]:
+            if "best" not in x:
+                print(f"{x['region']:<16} {x['trials']:>6} {x['ok']:>4} {x['per_gpu_hour']:>7.0f} {'-':>7}")
+                continue
+            print(f"{x['region']:<16} {x['trials']:>6} {x['ok']:>4} {x['per_gpu_hour']:>7.0f} {x['best']:>6.2f}x "
+                  f"{x['at']:>5} {x['error']:>9.2g} {x['tol']:>12}  {x['template']} {x['params']} | {x['per']}")
+        print(f"rejected: {r['fails']}")
+
+
+if __name__ == "__main__":
+    main()

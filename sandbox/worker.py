@@ -102,6 +102,8 @@ class Worker:
         self.workdir = os.getcwd()
         self.snapshot: dict[str, int] = {}
         self.region_classes: set[type] = set()
+        self.verified: tuple | None = None
+        """What the last verification runs saw, until `op_verify_outputs` sends it."""
         self.integration: dict | None = None
         """The model and candidate set the `integrate` op holds (see sandbox/integrate_op.py)."""
 
@@ -156,14 +158,17 @@ class Worker:
         return {"ok": True, "compile_s": time.perf_counter() - t0}, None
 
     def op_verify(self, req: dict, _: Any) -> tuple[dict, Any]:
+        """The verification runs, on the device (the parent holds the device lock meanwhile).
+        Outputs and inputs are copied to host memory here; hashing them and sending them are
+        CPU work left to `op_verify_outputs`, after the lock is released."""
         torch = self.torch
-        from tools.problem import tensor_hash
         from tools.region import call_args, flatten
         c, p = self.candidate, self.problems[self.candidate["problem"]]
         fwd, module = c["forward"], c["module"]
         runs: dict[str, list] = {"a": [], "b": [], "fresh": []}
-        meta, input_hashes, fresh_hashes = [], [], []
+        meta, seen_inputs, seen_fresh = [], [], []
         sizes = req.get("output_bytes") or [[] for _ in p["inputs"]]
+        t0 = time.perf_counter()
         for key, sets in (("a", p["inputs"]), ("b", p["inputs"]), ("fresh", p["fresh"])):
             for i, s in enumerate(sets):
                 args, kwargs = call_args(s, self.device)
@@ -178,14 +183,27 @@ class Worker:
                 runs[key].append([None if t is None else _plain_tensor(t) for t in snap])
                 if key == "a":
                     meta.append({"structure": structure, "outputs": [_describe(t) for t in leaves]})
-                (input_hashes if key != "fresh" else fresh_hashes).append(
-                    tensor_hash({"args": args, "kwargs": kwargs}))
+                # The inputs as the candidate left them (hashed later: an in-place write shows).
+                (seen_inputs if key != "fresh" else seen_fresh).append(_host({"args": args, "kwargs": kwargs}))
                 del out, leaves, snap  # freed before the next poisoning, not after the next call
         orig, now = _tensors_map(p["region"]), _tensors_map(module)
         changed = [n for n in orig if n not in now or not torch.equal(now[n], orig[n])]
-        tampered = self._tampered()
-        return ({"meta": meta, "input_hashes": input_hashes, "fresh_input_hashes": fresh_hashes,
-                 "params_changed": changed, "tampered": tampered}, runs)
+        self.verified = ({"meta": meta, "params_changed": changed}, runs, seen_inputs, seen_fresh)
+        return {"device_s": time.perf_counter() - t0}, None
+
+    def op_verify_outputs(self, req: dict, _: Any) -> tuple[dict, Any]:
+        """What the last `op_verify` saw, for the parent to judge: outputs, input hashes, tampering."""
+        from tools.problem import tensor_hash
+        if self.verified is None:
+            return {"ok": False, "error": "no verification to report"}, None
+        header, runs, seen_inputs, seen_fresh = self.verified
+        self.verified = None
+        # A second run bit-identical to the first (the usual case) is not sent again: the parent
+        # judges the first, and only runs that differ need their own comparison.
+        same = [i for i, (a, b) in enumerate(zip(runs["a"], runs["b"])) if _identical(a, b)]
+        runs["b"] = [None if i in same else b for i, b in enumerate(runs["b"])]
+        return ({**header, "input_hashes": [tensor_hash(x) for x in seen_inputs], "b_same": same,
+                 "fresh_input_hashes": [tensor_hash(x) for x in seen_fresh], "tampered": self._tampered()}, runs)
 
     def op_time(self, req: dict, _: Any) -> tuple[dict, Any]:
         torch = self.torch
@@ -244,14 +262,14 @@ class Worker:
         return sorted(k for k, v in self.snapshot.items() if now.get(k) != v)[:20]
 
     def release(self) -> None:
-        self.candidate = None
+        self.candidate, self.verified = None, None
         gc.collect()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
 
     def serve(self) -> None:
         handlers = {"problem": self.op_problem, "load": self.op_load, "verify": self.op_verify,
-                    "time": self.op_time, "integrate": self.op_integrate}
+                    "verify_outputs": self.op_verify_outputs, "time": self.op_time, "integrate": self.op_integrate}
         while True:
             try:
                 req, tensors = protocol.recv(self.sock)
@@ -331,6 +349,26 @@ def _plain_tensor(t: Any) -> Any:
     """A plain CPU tensor for the wire (subclasses are reported in the metadata, not sent)."""
     import torch
     return t.detach().as_subclass(torch.Tensor).contiguous().cpu()
+
+
+def _identical(a: list, b: list) -> bool:
+    import torch
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                                      and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
+        for x, y in zip(a, b))
+
+
+def _host(x: Any) -> Any:
+    """A host copy of a nested structure of tensors (other leaves kept as they are)."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _host(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_host(v) for v in x)
+    return x
 
 
 def _describe(t: Any) -> dict:

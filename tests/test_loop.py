@@ -212,14 +212,44 @@ def test_gpu_hours_cap_stops_the_run_within_one_trial_of_the_cap(run):
 
 
 def test_parallel_launches_share_the_cap_instead_of_enlarging_it():
-    budget = Budget(StopRule(gpu_hours=30 / 3600))
-    assert budget.try_launch(0)
-    budget.finish(0, Trial(region=REGION, candidate_hash="a", status=Status.ok, gpu_seconds=3.0))
-    launched = [t for t in range(1, 20) if budget.try_launch(t)]
-    assert launched == list(range(1, 10))  # 3 s spent + 9 in flight * 3 s = 30 s; a tenth would pass it
-    assert budget.stop_reason.startswith("GPU-hours cap")
+    budget = Budget(StopRule(gpu_hours=31 / 3600))
+    assert budget.try_launch(0, "cuda:0")
+    budget.finish(0, Trial(region=REGION, candidate_hash="a", status=Status.ok, gpu_seconds=3.0,
+                           finished_at=time.time()))
+    # One trial at a time on each of 20 devices: 3 s spent + 9 devices * 3 s = 30 s; a tenth would pass 31 s.
+    launched = [t for t in range(1, 20) if budget.try_launch(t, f"cuda:{t}")]
+    assert launched == list(range(1, 10))
+    assert not budget.exhausted and not budget.stop_reason  # trials in flight may still make room
     budget.cancel(1)  # an interrupted launch gives its reservation back
-    assert budget.try_launch(20) and not budget.try_launch(21)
+    assert budget.try_launch(20, "cuda:20") and not budget.try_launch(21, "cuda:21")
+    for t in [*range(2, 10), 20]:
+        budget.cancel(t)
+    budget.spent = 28.5
+    assert not budget.try_launch(22, "cuda:0")  # nothing in flight and it does not fit: the end
+    assert budget.exhausted and budget.stop_reason.startswith("GPU-hours cap")
+
+
+def test_workers_sharing_one_device_reserve_its_wall_time_once():
+    budget = Budget(StopRule(gpu_hours=9 / 3600))
+    budget.finish(-1, Trial(region=REGION, candidate_hash="seen", status=Status.ok, gpu_seconds=2.0,
+                            phases={"wall": 4.0}, finished_at=time.time()))
+    assert budget.estimate() == 4.0  # a trial's wall time, not its share of the device
+    # Six workers on one GPU overlap in time: together they hold it ~4 s, not 6 * 4 s.
+    assert all(budget.try_launch(t, "cuda:0") for t in range(6))
+    assert budget.projected() == pytest.approx(2.0 + 4.0, abs=0.1)
+    assert not budget.try_launch(6, "cuda:1")  # another device would add its own 4 s: 10 s > 9 s
+    assert not budget.exhausted
+
+
+def test_a_refused_launch_fits_once_a_trial_in_flight_ends_sooner_than_reserved():
+    budget = Budget(StopRule(gpu_hours=10 / 3600))
+    budget.recent.append(3.0)
+    assert all(budget.try_launch(t, f"cuda:{t}") for t in range(3))  # 9 s reserved
+    assert not budget.try_launch(3, "cuda:3")  # 12 s
+    now = time.time()  # cuda:0's trial took 0.5 s, not the 3 s reserved
+    budget.finish(0, Trial(region=REGION, candidate_hash="b", status=Status.ok, gpu_seconds=0.5,
+                           phases={"wall": 0.5}, started_at=now - 0.5, finished_at=now))
+    assert budget.try_launch(3, "cuda:3")  # 0.5 s spent + 2 * 3 s in flight + 3 s = 9.5 s
 
 
 # -- resume ----------------------------------------------------------------------------------

@@ -55,9 +55,9 @@ def test_discover_reads_gen_resources_and_gpu_accelerator_types():
     ]
     pools = discover(nodes)
     assert sorted(pools) == ["H200", "MI300X", "a"]
-    assert pools["H200"] == [PoolSlot("H200", "h200", 8, True, "accelerator_type:H200", 0.001)]
-    assert pools["MI300X"] == [PoolSlot("MI300X", "mi300", 4, True, "gen:MI300X", 1.0)]
-    assert pools["a"] == [PoolSlot("a", "sim", 2, False, "gen:a", 1.0)]
+    assert pools["H200"] == [PoolSlot("H200", "h200", 8, True, "accelerator_type:H200", 0.001, workers=4)]
+    assert pools["MI300X"] == [PoolSlot("MI300X", "mi300", 4, True, "gen:MI300X", 1.0, workers=2)]
+    assert pools["a"] == [PoolSlot("a", "sim", 2, False, "gen:a", 1.0, workers=1)]
 
 
 def _agent(*args, prelude: str = "pass") -> subprocess.CompletedProcess:

@@ -4,12 +4,14 @@ Devices are grouped by hardware generation. Every candidate is queued once per t
 generation, and any idle device of that generation takes it, so N devices of a generation
 give N trials at a time. GPUs that already carry other people's work are left alone. The
 CPU is a device when there is no GPU. Before each launch the budget is asked; a launch that
-would pass the GPU-hours cap is not started.
+would pass the GPU-hours cap waits for the trials in flight, and is not started if it
+still would once they have ended.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -77,16 +79,30 @@ def _generation(device: str) -> str:
     return arch.split(":")[0] if arch and arch.startswith("gfx") else f"sm{props.major}{props.minor}"
 
 
+def default_workers_per_gpu(gpus: int) -> int:
+    """Workers sharing one GPU: enough that one is always ready to verify or time while the
+    others import and compile on the CPU (compiling is the slow part of a cheap trial), but
+    no more than the CPU cores can feed: about two cores per worker."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return workers_per_gpu(cores, gpus)
+
+
+def workers_per_gpu(cores: int, gpus: int) -> int:
+    return max(2, min(6, cores // (2 * max(1, gpus))))
+
+
 class LocalExecutor:
     def __init__(self, slots: list[Slot], problem_dirs: list[Path], limits: Limits | None = None,
                  triton_cache: str | None = None, memory_gb: float = 8.0, workers_per_device: int | None = None):
-        """`workers_per_device` (default 3 on GPUs, 1 on the CPU): while one worker verifies or
-        times on the device (under the device's lock), the others import and compile their next
-        candidates and the tuner judges the last outputs, so the GPU does not wait."""
+        """`workers_per_device` (default: `default_workers_per_gpu` on GPUs, 1 on the CPU): while
+        one worker verifies or times on the device (under the device's lock), the others import
+        and compile their next candidates and the tuner judges the last outputs, so the GPU does
+        not wait."""
         self.slots, self.runners, self.lanes = slots, [], []
         locks = {s.device: threading.Lock() for s in slots if s.device != "cpu"}
+        gpus = len([s for s in slots if s.device != "cpu"])
         for s in slots:
-            n = workers_per_device or (3 if s.device != "cpu" else 1)
+            n = (workers_per_device or default_workers_per_gpu(gpus)) if s.device != "cpu" else 1
             for _ in range(n):
                 r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, triton_cache=triton_cache,
                                                                 memory_gb=memory_gb), device_lock=locks.get(s.device))
@@ -128,8 +144,11 @@ class LocalExecutor:
                     except queue.Empty:
                         return
                     token = next(self.tokens)
-                    if not budget.try_launch(token):
-                        return
+                    while not budget.try_launch(token, slot.device):
+                        if budget.exhausted or should_stop():
+                            queues[gen].put((cand, gen, path))  # not run: the round ends with it unrun
+                            return
+                        budget.wait(0.5)  # a sibling's trial may end sooner than reserved
                     try:
                         trial = runner.run(cand, candidate_path=path)
                     except Exception as e:  # a harness bug costs this trial, not the night

@@ -26,8 +26,9 @@ passes on one generation is run on every other target before the loop can keep i
 
 Isolation and verification
 --------------------------
-Each actor hosts `workers_per_device` `sandbox.runner.TrialRunner`s (3 on a GPU, 1 on the
-CPU, sharing one device lock, as in the local executor): candidate code still runs only in a
+Each actor hosts `workers_per_device` `sandbox.runner.TrialRunner`s (on a GPU, as many as the
+local executor would start for the node's cores; 1 on the CPU), sharing one device lock as in
+the local executor: candidate code still runs only in a
 sandbox worker subprocess of the actor, with the same isolation. The verdict (tolerance,
 poisoned outputs, hashes, fresh inputs) is made by the TrialRunner in the actor process,
 which holds the frozen references and runs no candidate code; it is the same code and the
@@ -155,7 +156,7 @@ class RayExecutor:
         new: list[ActorRef] = []
         for g in self.targets:
             for slot in discover(ray.nodes()).get(g, []):
-                workers = self.workers_per_device or (3 if slot.gpu else 1)
+                workers = (self.workers_per_device or slot.workers) if slot.gpu else 1
                 for _ in range(slot.count - have.get((g, slot.node_id), 0)):
                     handle = self.remote_cls.options(
                         num_cpus=0, num_gpus=1 if slot.gpu else 0,
@@ -239,8 +240,8 @@ class RayExecutor:
                                      f"{job.generation} left in the cluster")
                     continue
                 token = next(self.tokens)
-                if not budget.try_launch(token):
-                    launching = False
+                if not budget.try_launch(token, actor.label):
+                    launching = False  # until a trial in flight ends: it may make room
                     break
                 queues[job.generation].popleft()
                 actor.busy += 1
@@ -249,6 +250,7 @@ class RayExecutor:
             if not flights:
                 return
             ready, _ = ray.wait(list(flights), num_returns=1, timeout=0.2)
+            launching = launching or (bool(ready) and not budget.exhausted)
             for ref in ready:
                 fl = flights.pop(ref)
                 fl.actor.busy -= 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.executors.local import workers_per_gpu
 from sandbox.runner import Limits
 from tools.trial import Candidate, Status, Trial
 
@@ -22,7 +23,7 @@ INSTALL_HINT = "pip install 'nightshift[ray]'"
 ROOT = Path(__file__).resolve().parent.parent.parent
 # Shipped to the cluster as the job's working_dir when this is a source checkout.
 CODE_EXCLUDES = ["runs", ".git", "tests", "bench", "build", "dist", ".venv", "*.egg-info", ".pytest_cache",
-                 ".nightshift-cache", "__pycache__"]
+                 ".nightshift-cache", "__pycache__", ".whl", ".raypkg"]
 MODEL_SIBLINGS_MAX_BYTES = 1 << 20
 
 
@@ -66,6 +67,8 @@ class PoolSlot:
     gpu: bool
     resource: str
     amount: float
+    workers: int = 1
+    """Sandbox workers per device: as `local.default_workers_per_gpu` for the node's cores."""
 
 
 def discover(nodes: list[dict]) -> dict[str, list[PoolSlot]]:
@@ -76,15 +79,16 @@ def discover(nodes: list[dict]) -> dict[str, list[PoolSlot]]:
             continue
         res, node = n.get("Resources", {}), n["NodeID"]
         gpus = int(res.get("GPU", 0))
+        workers = workers_per_gpu(int(res.get("CPU", 0)), gpus) if gpus else 1
         gens = {k[len(GEN_PREFIX):]: int(v) for k, v in res.items() if k.startswith(GEN_PREFIX) and int(v) > 0}
         if gens:
             for g, count in gens.items():
-                pools.setdefault(g, []).append(PoolSlot(g, node, count, gpus > 0, GEN_PREFIX + g, 1.0))
+                pools.setdefault(g, []).append(PoolSlot(g, node, count, gpus > 0, GEN_PREFIX + g, 1.0, workers))
         elif gpus > 0:
             kinds = sorted(k for k in res if k.startswith(ACCEL_PREFIX))
             g = kinds[0][len(ACCEL_PREFIX):] if kinds else "gpu"
             pools.setdefault(g, []).append(PoolSlot(g, node, gpus, True, kinds[0] if kinds else "GPU",
-                                                    0.001 if kinds else 0.0))
+                                                    0.001 if kinds else 0.0, workers))
     return pools
 
 
