@@ -86,7 +86,8 @@ def analyze(run_dir: Path) -> dict:
     phases["judge+wait"] = phases["wall"] - sum(phases[k] for k in ("start", "load", "verify", "time",
                                                                     "verify_outputs"))
     regions = []
-    for p in run.problems():
+    problems = run.problems()
+    for p in problems:
         ts = [t for t in trials if t.region == p.name]
         ok = [t for t in ts if t.ranked]
         row = {"region": p.name, "trials": len(ts), "ok": len(ok),
@@ -103,7 +104,7 @@ def analyze(run_dir: Path) -> dict:
             fails[t.status.value] = fails.get(t.status.value, 0) + 1
     return {"search_wall": search_wall, "trials": len(trials), "per_gpu_hour": len(trials) / (search_wall / 3600),
             "lock_share": held / search_wall, "charged_h": charged / 3600, "phases": phases, "regions": regions,
-            "fails": fails, "steady": {"trials": len(steady), "seconds": steady_wall, "per_gpu_hour": steady_rate,
+            "fails": fails, "cap_h": problems[0].stop_rule.gpu_hours if problems else None, "steady": {"trials": len(steady), "seconds": steady_wall, "per_gpu_hour": steady_rate,
                                         "lock_share": steady_lock}}
 
 
@@ -126,7 +127,8 @@ def main() -> None:
               f"(agent tune {r['wall']:.0f} s), stop: {r['stop']}")
         print(f"trials per GPU-hour {r['per_gpu_hour']:.0f}; GPU held to verify or time {r['lock_share']:.0%} of "
               f"the search's wall time; NVML kernel-active {r['nvml'] if r['nvml'] is None else round(r['nvml'])}%; "
-              f"GPU-hours charged {r['charged_h']:.4f} of {args.gpu_hours}")
+              f"GPU-hours charged {r['charged_h']:.4f} of {r['cap_h'] or args.gpu_hours} (cap frozen with the problems; "
+              "a resumed run may have been given another)")
         st = r["steady"]
         if st["per_gpu_hour"]:
             print(f"steady state (after the last worker start): {st['trials']} trials in {st['seconds']:.0f} s, "

@@ -13,6 +13,7 @@ in does not depend on CPU timing noise:
 - Linear, 0.8x: correct but slower than the original: not applied.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -170,13 +171,54 @@ def test_model_reference_reloads_bit_identically(run, tmp_path):
     with pytest.raises(ProblemError, match="changed since the model was frozen"):
         ref.load_tensors(tampered)
 
-    # Without --e2e-tolerance: by the output's dtype and magnitude.
+    # Without --e2e-tolerance: calibrated; for this float32 model, two rounding steps exceed
+    # twice its own error against float64, so the floor by dtype and magnitude stands.
     loaded = load_model(MODEL, "cpu")
     fresh = freeze_model(loaded, tmp_path / "default", torch.device("cpu"))
     _, _, outs = fresh.load_tensors(tmp_path / "default")
     for w, o in zip(fresh.workloads, outs):
-        assert w.tolerance_source == "default"
+        assert w.tolerance_source.startswith("calibrated: two rounding steps exceed"), w.tolerance_source
         assert w.tolerance == default_tolerance(torch.float32, float(o["outputs"][0].abs().max()))
+
+
+class _DeepBF16(torch.nn.Module):
+    def __init__(self, depth: int = 24, width: int = 256):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class _FixedDtype(_DeepBF16):
+    def forward(self, x):
+        return self.layers[0](x.to(torch.bfloat16))  # breaks when the weights are widened
+
+
+def test_e2e_tolerance_is_calibrated_on_the_models_own_rounding_error():
+    from tools.capture import calibrated_tolerance
+    model = _DeepBF16().to(torch.bfloat16)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        out = model(x)
+        exact = copy.deepcopy(model).float()(x.float())
+    floor = default_tolerance(torch.bfloat16, float(out.abs().max()))
+    own = floor.error(float((out.float() - exact).abs().max()), float(out.abs().max()))
+    tol, source = calibrated_tolerance(model, [x], [out], torch.bfloat16, float(out.abs().max()))
+    assert own > floor.value / 2  # 24 bf16 layers drift further than two rounding steps
+    assert tol.kind == floor.kind and tol.value == pytest.approx(2 * own, rel=1e-2) and tol.value > floor.value
+    assert source.startswith("calibrated: twice today's error vs float32")
+    assert next(model.parameters()).dtype == torch.bfloat16  # the model itself is untouched
+
+    broken = _FixedDtype().to(torch.bfloat16)
+    with torch.no_grad():
+        out = broken(x)
+    tol, source = calibrated_tolerance(broken, [x], [out], torch.bfloat16, float(out.abs().max()))
+    assert tol == default_tolerance(torch.bfloat16, float(out.abs().max()))
+    assert source.startswith("default (no calibration: RuntimeError")
 
 
 def test_tune_ends_with_integration(tmp_path):

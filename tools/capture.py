@@ -10,7 +10,9 @@ state outside itself) is skipped with the reason, since no candidate could be ju
 
 from __future__ import annotations
 
+import copy
 import inspect
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,7 +209,8 @@ class ModelWorkload(BaseModel):
     outputs: list[TensorSpec] = Field(default_factory=list)
     tolerance: Tolerance
     tolerance_source: str = "default"
-    """`default` (by the output's dtype and magnitude) or `cli` (--e2e-tolerance)."""
+    """`calibrated: ...` (see `calibrated_tolerance`), `default` (by the output's dtype and
+    magnitude, when calibration could not run) or `cli` (--e2e-tolerance)."""
 
 
 class ModelReference(BaseModel):
@@ -263,8 +266,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                  device_name: str = "") -> ModelReference:
     """Write the whole model's frozen end-to-end reference to `folder` (`runs/<run>/model/`).
 
-    The outputs are today's model on each workload's inputs; the tolerance per workload comes
-    from the output's dtype and magnitude (tools.problem.default_tolerance) unless given."""
+    The outputs are today's model on each workload's inputs; the tolerance per workload is
+    `calibrated_tolerance` unless given."""
     state = module_state(loaded.model)
     inputs, outputs, workloads = [], [], []
     with torch.no_grad():
@@ -278,8 +281,10 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
             if not floats:
                 raise ValueError(f"the model has no floating-point output to compare on {w.name!r}")
             ref_max = max(float(t.abs().max()) for t in floats)
-            tol, source = (tolerance, "cli") if tolerance is not None else (
-                default_tolerance(floats[0].dtype, ref_max), "default")
+            if tolerance is not None:
+                tol, source = tolerance, "cli"
+            else:
+                tol, source = calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
             inputs.append(input_set)
             outputs.append({"structure": structure, "outputs": outs})
             workloads.append(ModelWorkload(
@@ -298,3 +303,34 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     tmp.write_text(ref.model_dump_json(indent=2))
     tmp.replace(folder / MODEL_FILE)
     return ref
+
+
+def calibrated_tolerance(model: torch.nn.Module, inputs: list, outputs: list, dtype: torch.dtype,
+                         ref_max: float) -> tuple[Tolerance, str]:
+    """The end-to-end tolerance for one workload, written down before the first trial.
+
+    Errors compound over layers: a model's output is already some rounding steps away from
+    the exact answer, and a correct rewrite lands some steps away on its own. So the model
+    is run once more in a wider dtype (float32 for 16-bit models, float64 for float32) and
+    today's own error against that is measured; a tuned model may differ from today's output
+    by twice that (each of the two within today's error of the exact answer), and never by
+    less than two rounding steps. Where the wide run is impossible, the default stands."""
+    floor = default_tolerance(dtype, ref_max)
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.float64
+    try:
+        exact_model = copy.deepcopy(model).to(wide)
+        cast = [x.to(wide) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+        with torch.no_grad():
+            leaves, _ = flatten(exact_model(*cast))
+        exact = [t.detach().to("cpu", wide) if isinstance(t, torch.Tensor) else None for t in leaves]
+        del exact_model
+        own = diff([t.to(wide) if isinstance(t, torch.Tensor) else None for t in outputs], exact)
+    except Exception as e:  # a model that cannot run wide (fixed dtypes inside, memory): the default
+        return floor, f"default (no calibration: {type(e).__name__}: {str(e)[:80]})"
+    error = floor.error(own.max_abs, ref_max)  # absolute, or relative for wide-ranging outputs
+    if own.bad_nonfinite or not math.isfinite(error):
+        return floor, "default (no calibration: the wide run is not finite)"
+    value, against = float(f"{2 * error:.3g}"), str(wide).removeprefix("torch.")
+    if value <= floor.value:
+        return floor, f"calibrated: two rounding steps exceed twice today's error vs {against} ({error:.3g})"
+    return Tolerance(kind=floor.kind, value=value), f"calibrated: twice today's error vs {against} ({error:.3g})"
