@@ -233,8 +233,8 @@ def main() -> None:
             print(f"one trial's cost (median wall without worker start) {r['trial_s']:.1f} s; charged "
                   f"{r['charged_h'] * 3600:.0f} s of the cap's {r['cap_h'] * 3600:.0f} s")
         if r["stop"].startswith(("planners have nothing new", "candidate cap")):
-            print("WARNING: the stream ran out before the GPU-hours cap stopped the run (the tail had fewer "
-                  "candidates than slots); make a longer stream (--source-gpu-hours, or a bigger --from-run)")
+            print("WARNING: the stream ran out before the GPU-hours cap stopped the run, so its last rounds may "
+                  "have left slots idle; make a longer stream (--source-gpu-hours, or a bigger --from-run)")
     if args.simulate_cpu and any(r["n"] > 1 for r in results):
         print("\nNOTE: with --simulate-cpu every slot is the device 'cpu': the budget charges overlapping trials "
               "of the N slots once (so N slots get about N times the trials for the same cap), and the busy share "
