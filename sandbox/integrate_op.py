@@ -29,6 +29,8 @@ import time
 import types
 from typing import Any
 
+from sandbox import worker_tensors as T
+
 BASELINES: dict[str, str | None] = {"torch.compile": None,
                                     "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
                                     "reduce-overhead": "reduce-overhead"}
@@ -63,7 +65,7 @@ def handle(worker: Any, req: dict, _tensors: Any) -> tuple[dict, Any]:
                 for s in inputs:
                     args, kwargs = call_args(s, worker.device)
                     with torch.no_grad():
-                        payload["untouched"].append(W._plain(untouched(*args, **kwargs)))
+                        payload["untouched"].append(T.plain(untouched(*args, **kwargs)))
                 worker._sync()
         except BaseException as e:
             f = W.classify(e, "run")
@@ -149,18 +151,18 @@ def _run(worker: Any, W: Any, st: dict, output_bytes: list[list[int]] | None) ->
             worker._poison(poison, sizes[i % len(sizes)])
             for k in counts:
                 counts[k] = 0
-            with W._fill_uninitialized(torch, key == "a"):
+            with T.fill_uninitialized(torch, key == "a"):
                 out = worker._call(lambda: tuned(*args, **kwargs), "run")
                 leaves, structure = flatten(out)
                 snap = [t.clone() if isinstance(t, torch.Tensor) else None for t in leaves]
             worker._sync()
-            runs[key].append([None if t is None else W._plain_tensor(t) for t in snap])
+            runs[key].append([None if t is None else T.plain_tensor(t) for t in snap])
             if key == "a":
-                meta.append({"structure": structure, "outputs": [W._describe(t) for t in leaves]})
+                meta.append({"structure": structure, "outputs": [T.describe(t) for t in leaves]})
                 calls.append(dict(counts))
             input_hashes.append(tensor_hash({"args": args, "kwargs": kwargs}))
             del out, leaves, snap
-    orig, now = W._tensors_map(st["untouched"]), W._tensors_map(tuned)
+    orig, now = T.tensors_map(st["untouched"]), T.tensors_map(tuned)
     changed = [n for n in orig if n not in now or not torch.equal(now[n], orig[n])]
     return {"runs": runs, "meta": meta, "calls": calls, "input_hashes": input_hashes, "params_changed": changed}
 

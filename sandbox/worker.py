@@ -39,10 +39,10 @@ import socket
 import sys
 import time
 import traceback
-import warnings
 from typing import Any, Callable
 
 from sandbox import isolation, protocol
+from sandbox.worker_tensors import describe, fill_uninitialized, host, identical, plain, plain_tensor, tensors_map
 
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "CUDA error", "misaligned address", "CUBLAS_STATUS_EXECUTION_FAILED", "HIP error")
@@ -124,7 +124,7 @@ class Worker:
         with torch.no_grad():
             for s in p["fresh"]:
                 args, kwargs = call_args(s, self.device)
-                fresh_ref.append(_plain(p["forward"](region, *args, **kwargs)))
+                fresh_ref.append(plain(p["forward"](region, *args, **kwargs)))
         self.region_classes |= {type(m) for m in region.modules()}
         self.snapshot = integrity_snapshot(sorted(self.region_classes, key=lambda c: c.__qualname__))
         return {"ok": True}, {"fresh_ref": fresh_ref}
@@ -174,19 +174,19 @@ class Worker:
                 args, kwargs = call_args(s, self.device)
                 poison = key == "a"
                 self._poison(float("nan") if poison else 7777.0, sizes[i % len(sizes)])
-                with _fill_uninitialized(torch, poison):
+                with fill_uninitialized(torch, poison):
                     out = self._call(lambda: fwd(module, *args, **kwargs), "run")
                     # Copied on the current stream at once: work left on a side stream is a race here.
                     leaves, structure = flatten(out)
                     snap = [t.clone() if isinstance(t, torch.Tensor) else None for t in leaves]
                 self._sync()
-                runs[key].append([None if t is None else _plain_tensor(t) for t in snap])
+                runs[key].append([None if t is None else plain_tensor(t) for t in snap])
                 if key == "a":
-                    meta.append({"structure": structure, "outputs": [_describe(t) for t in leaves]})
+                    meta.append({"structure": structure, "outputs": [describe(t) for t in leaves]})
                 # The inputs as the candidate left them (hashed later: an in-place write shows).
-                (seen_inputs if key != "fresh" else seen_fresh).append(_host({"args": args, "kwargs": kwargs}))
+                (seen_inputs if key != "fresh" else seen_fresh).append(host({"args": args, "kwargs": kwargs}))
                 del out, leaves, snap  # freed before the next poisoning, not after the next call
-        orig, now = _tensors_map(p["region"]), _tensors_map(module)
+        orig, now = tensors_map(p["region"]), tensors_map(module)
         changed = [n for n in orig if n not in now or not torch.equal(now[n], orig[n])]
         self.verified = ({"meta": meta, "params_changed": changed}, runs, seen_inputs, seen_fresh)
         return {"device_s": time.perf_counter() - t0}, None
@@ -200,7 +200,7 @@ class Worker:
         self.verified = None
         # A second run bit-identical to the first (the usual case) is not sent again: the parent
         # judges the first, and only runs that differ need their own comparison.
-        same = [i for i, (a, b) in enumerate(zip(runs["a"], runs["b"])) if _identical(a, b)]
+        same = [i for i, (a, b) in enumerate(zip(runs["a"], runs["b"])) if identical(a, b)]
         runs["b"] = [None if i in same else b for i, b in enumerate(runs["b"])]
         return ({**header, "input_hashes": [tensor_hash(x) for x in seen_inputs], "b_same": same,
                  "fresh_input_hashes": [tensor_hash(x) for x in seen_fresh], "tampered": self._tampered()}, runs)
@@ -296,93 +296,6 @@ class Worker:
                     os._exit(3)
                 continue
             protocol.send(self.sock, {"ok": True, **header} if "ok" not in header else header, payload)
-
-
-class _fill_uninitialized:
-    """While active, fresh memory from torch.empty & co. is filled: with NaN (deterministic
-    mode's fill) for the first run, with a finite sentinel for the others. An output never
-    written then reads NaN in one run and not in the other, whatever the allocator hands out
-    (on the CPU, malloc may return the first run's NaN-filled block to the second)."""
-
-    SENTINEL = 7777.0
-
-    def __init__(self, torch, nan: bool):
-        self.torch, self.nan, self.mode = torch, nan, None
-
-    def __enter__(self):
-        torch = self.torch
-        if self.nan:
-            warnings.filterwarnings("ignore")
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.utils.deterministic.fill_uninitialized_memory = True
-            return
-        from torch.utils._python_dispatch import TorchDispatchMode
-        aten = torch.ops.aten
-        empties = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
-                   aten.new_empty.default, aten.new_empty_strided.default}
-        sentinel = self.SENTINEL
-
-        class FillEmpty(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func in empties and isinstance(out, torch.Tensor) and out.numel():
-                    out.fill_(sentinel if (out.is_floating_point() or out.is_complex()) else 77)
-                return out
-
-        self.mode = FillEmpty()
-        self.mode.__enter__()
-
-    def __exit__(self, *exc):
-        if self.nan:
-            self.torch.use_deterministic_algorithms(False)
-        elif self.mode is not None:
-            self.mode.__exit__(*exc)
-
-
-def _plain(out: Any) -> list:
-    from tools.region import flatten
-    leaves, _ = flatten(out)
-    return [None if t is None else _plain_tensor(t) for t in leaves]
-
-
-def _plain_tensor(t: Any) -> Any:
-    """A plain CPU tensor for the wire (subclasses are reported in the metadata, not sent)."""
-    import torch
-    return t.detach().as_subclass(torch.Tensor).contiguous().cpu()
-
-
-def _identical(a: list, b: list) -> bool:
-    import torch
-    return len(a) == len(b) and all(
-        (x is None and y is None) or (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-                                      and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
-        for x, y in zip(a, b))
-
-
-def _host(x: Any) -> Any:
-    """A host copy of a nested structure of tensors (other leaves kept as they are)."""
-    import torch
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, dict):
-        return {k: _host(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_host(v) for v in x)
-    return x
-
-
-def _describe(t: Any) -> dict:
-    import torch
-    if t is None:
-        return {"kind": "none"}
-    if type(t) is not torch.Tensor:
-        return {"kind": type(t).__name__}
-    return {"kind": "tensor", "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-            "device": t.device.type, "stride": list(t.stride())}
-
-
-def _tensors_map(m) -> dict:
-    return dict(list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)))
 
 
 def _stats_dict(s) -> dict:
