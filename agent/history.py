@@ -42,11 +42,14 @@ class History:
         self.trials: list[Trial] = []
         self.generations = generations or {}
         """Per region: the generations a candidate must pass on."""
+        self.pending: set[tuple[str, str]] = set()
+        """(region, hash) of candidates in flight: planned already, so not to be proposed again."""
 
     def snapshot(self) -> "History":
         """A copy a planner can read in another thread while the loop keeps adding trials."""
         copy = History(self.generations)
         copy.trials = list(self.trials)
+        copy.pending = set(self.pending)
         for key, rec in list(self.records.items()):
             copy.records[key] = CandidateRecord(rec.region, rec.candidate_hash, rec.template, rec.params,
                                                 rec.planner, dict(rec.by_generation))
@@ -72,7 +75,8 @@ class History:
         return trial is not None and trial.status is not Status.lost
 
     def tried(self, region: str, digest: str) -> bool:
-        return all(self.done(region, digest, g) for g in self.targets(region))
+        """Finished on every target generation, or in flight now."""
+        return (region, digest) in self.pending or all(self.done(region, digest, g) for g in self.targets(region))
 
     def region_records(self, region: str) -> list[CandidateRecord]:
         return [r for (reg, _), r in self.records.items() if reg == region]

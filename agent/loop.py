@@ -54,7 +54,9 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
          prefetch_at: float = 0.5) -> Outcome:
     """Rounds until a stop rule fires. The next round is planned in the background once
     `prefetch_at` of the current round has finished, so devices do not wait while a planner
-    (an LLM, say) thinks; that plan sees every result finished by then."""
+    (an LLM, say) thinks; that plan sees every result finished by then, and the candidates
+    still in flight as tried. A prefetched plan with nothing new is not the end: the planner
+    is asked once more with the whole round's results before the run stops as idle."""
     store = run.store()
     for rec in history.records.values():  # patience picks up where a resumed run left off
         budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
@@ -69,7 +71,7 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-planner")
     try:
-        upcoming = pool.submit(plan)
+        upcoming, prefetched = pool.submit(plan), False
         while not should_stop():
             if not any(budget.region_open(p.name) for p in problems):
                 budget.stop_reason = budget.stop_reason or "patience: no region improved for a while"
@@ -83,11 +85,15 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
             for c in known + new[: budget.admit(len(new))]:
                 path = str(run.save_candidate(c.source, c.hash))
                 jobs += [(c, g, path) for g in history.targets(c.region) if not history.done(c.region, c.hash, g)]
+            if not jobs and prefetched:  # planned before the last results: ask again with them
+                upcoming, prefetched = pool.submit(plan), False
+                continue
             if not jobs:
                 budget.stop_reason = budget.stop_reason or _idle_reason(planner)
                 break
             rounds += 1
-            upcoming = None
+            upcoming, prefetched = None, False
+            history.pending = {(c.region, c.hash) for c, _, _ in jobs}
             for done, trial in enumerate(executor.run(jobs, budget, should_stop), 1):
                 store.record(trial)
                 rec = history.add(trial)
@@ -95,8 +101,9 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                 if rec.kept(history.targets(rec.region)) or trial.ranked:
                     budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
                 on_trial(trial)
-                if upcoming is None and done >= prefetch_at * len(jobs):
-                    upcoming = pool.submit(plan)
+                if upcoming is None and done >= prefetch_at * len(jobs) and done < len(jobs):
+                    upcoming, prefetched = pool.submit(plan), True
+            history.pending = set()
             upcoming = upcoming or pool.submit(plan)
             if budget.stop_reason.startswith("GPU-hours"):
                 break
