@@ -36,33 +36,19 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from tune_bench import agent_tune  # noqa: E402
 
 MODEL = "examples/llama.py"
 NEVER = "1000000"  # patience that never fires
 CPU_BANNER = ("SIMULATED ON THE CPU (--simulate-cpu): CPU numbers (Triton interpreter, N workers sharing this "
               "machine's cores, all slots one device 'cpu' to the budget); they say nothing about GPU scaling")
-
-
-def tune(out_dir: Path, tag: str, args: list[str]) -> tuple[dict, float]:
-    """`agent tune ... --json --no-integrate`: its JSON summary and its wall seconds."""
-    cmd = [sys.executable, "-m", "agent", "tune", *args, "--json", "--no-integrate"]
-    print(f"[{time.strftime('%H:%M:%S')}] {tag}: agent {' '.join(cmd[3:])}", flush=True)
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.time() - t0
-    (out_dir / f"tune-{tag}.stdout").write_text(proc.stdout)
-    (out_dir / f"tune-{tag}.stderr").write_text(proc.stderr)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:])
-        sys.exit(proc.returncode)
-    return json.loads(proc.stdout), wall
 
 
 def make_stream(run_dir: Path, out_dir: Path) -> list[dict]:
@@ -188,7 +174,7 @@ def main() -> None:
         stream_run = args.from_run.resolve()
     else:
         hours = args.source_gpu_hours or 1.5 * args.gpu_hours
-        summary, _ = tune(out_dir, "source", ["--model", MODEL, "--planner", "template", "--devices",
+        summary, _ = agent_tune(out_dir, "source", ["--model", MODEL, "--planner", "template", "--devices",
                                               devices_for(1)[0], "--runs-dir", str(out_dir / "source"),
                                               "--gpu-hours", str(hours), "--max-candidates",
                                               str(args.source_max_candidates), "--patience", NEVER, *extra])
@@ -206,7 +192,7 @@ def main() -> None:
     for n in gpus:
         devices = devices_for(n)
         run_dir = fresh_run(stream_run, out_dir, n)
-        summary, wall = tune(out_dir, f"n{n}", ["--resume", str(run_dir), "--planner", "files", "--devices",
+        summary, wall = agent_tune(out_dir, f"n{n}", ["--resume", str(run_dir), "--planner", "files", "--devices",
                                                 ",".join(devices), "--gpu-hours", str(args.gpu_hours),
                                                 "--max-candidates", str(cap_candidates), "--patience", NEVER,
                                                 *extra])

@@ -41,23 +41,32 @@ def nvml_sampler(stop: threading.Event, samples: list[int]) -> None:
         samples.append(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
 
 
+def agent_tune(out_dir: Path, tag: str, args: list[str]) -> tuple[dict, float]:
+    """`agent tune ... --json --no-integrate`: its JSON summary and its wall seconds; its output
+    is kept as OUT_DIR/tune-TAG.stdout/.stderr, and a failed run ends the benchmark."""
+    cmd = [sys.executable, "-m", "agent", "tune", *args, "--json", "--no-integrate"]
+    print(f"[{time.strftime('%H:%M:%S')}] {tag}: agent {' '.join(cmd[3:])}", flush=True)
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.time() - t0
+    (out_dir / f"tune-{tag}.stdout").write_text(proc.stdout)
+    (out_dir / f"tune-{tag}.stderr").write_text(proc.stderr)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:])
+        sys.exit(proc.returncode)
+    return json.loads(proc.stdout), wall
+
+
 def one_run(out_dir: Path, hours: str, workers: int, extra: list[str]) -> dict:
     stop, util = threading.Event(), []
     sampler = threading.Thread(target=nvml_sampler, args=(stop, util), daemon=True)
     sampler.start()
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "agent", "tune", "--model", "examples/llama.py", "--gpu-hours",
-                           hours, "--max-candidates", "4000", "--workers-per-gpu", str(workers), "--runs-dir",
-                           str(out_dir / "runs"), "--json", "--no-integrate", *extra],
-                          cwd=ROOT, capture_output=True, text=True)
-    stop.set()
-    wall = time.time() - t0
-    (out_dir / f"tune-w{workers}.stdout").write_text(proc.stdout)
-    (out_dir / f"tune-w{workers}.stderr").write_text(proc.stderr)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:])
-        sys.exit(proc.returncode)
-    summary = json.loads(proc.stdout)
+    try:
+        summary, wall = agent_tune(out_dir, f"w{workers}", [
+            "--model", "examples/llama.py", "--gpu-hours", hours, "--max-candidates", "4000",
+            "--workers-per-gpu", str(workers), "--runs-dir", str(out_dir / "runs"), *extra])
+    finally:
+        stop.set()
     stats = analyze(Path(summary["run"]))
     return {"workers": workers, "wall": wall, "stop": summary["stop_reason"],
             "nvml": statistics.mean(util) if util else None, **stats}

@@ -165,9 +165,9 @@ class TrialRunner:
             self.phases["verify_outputs"] = reply.seconds
         if not reply.ok:
             return self._fail(c, lp, reply)
-        runs = reply.tensors
+        runs = reply.tensors if isinstance(reply.tensors, dict) else {}
         for i in reply.header.get("b_same", []):  # bit-identical second runs were not sent again
-            if 0 <= i < len(runs["b"]) and runs["b"][i] is None:
+            if isinstance(i, int) and 0 <= i < len(runs.get("b", [])) and runs["b"][i] is None:
                 runs["b"][i] = runs["a"][i]
         if any(not isinstance(r, list) for key in ("a", "b", "fresh") for r in runs.get(key, [None])):
             return self._fail(c, lp, Reply(False, status="crash", error="the worker sent incomplete outputs"))

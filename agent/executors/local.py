@@ -146,7 +146,6 @@ class LocalExecutor:
                     token = next(self.tokens)
                     while not budget.try_launch(token, slot.device):
                         if budget.exhausted or should_stop():
-                            queues[gen].put((cand, gen, path))  # not run: the round ends with it unrun
                             return
                         budget.wait(0.5)  # a sibling's trial may end sooner than reserved
                     try:
