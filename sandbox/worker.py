@@ -315,6 +315,9 @@ def main() -> None:
     report["limits"] = isolation.limit_resources(mem)
     sock = socket.socket(fileno=args.fd)
     import torch
+    # Imported before any integrity snapshot: importing dynamo wraps torch functions (manual_seed),
+    # and the harness itself triggers that import (use_deterministic_algorithms).
+    import torch._dynamo  # noqa: F401
     hello = {"op": "hello", "pid": os.getpid(), "isolation": report, "device": args.device,
              "torch": torch.__version__}
     if args.device == "cuda":
