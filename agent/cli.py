@@ -276,9 +276,10 @@ def _integrate(run, device: Optional[str], baselines: Optional[bool], quiet: boo
 
 def _cuda_run(run) -> bool:
     try:
-        from tools.capture import MODEL_DIR, ModelReference
+        from tools.capture import MODEL_DIR
+        from tools.problem import Problem
         import torch
-        return ModelReference.load(run.path / MODEL_DIR).device == "cuda" and torch.cuda.is_available()
+        return Problem.load(run.path / MODEL_DIR).device == "cuda" and torch.cuda.is_available()
     except Exception:
         return False
 

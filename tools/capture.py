@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 from torch.utils.flop_counter import FlopCounterMode
 
 from tools.modelfile import LoadedModel, file_sha256, tensors_in
@@ -171,7 +170,7 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             workloads=workloads, tolerance=tol, tolerance_source=source,
             metric="weighted_latency" if len(workloads) > 1 else "latency",
             target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
-            share_of_model=choice.share, top_kernels=list(choice.top_kernels),
+            share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
             floor_ms={w.name: _floor_ms(alone, s, outs, state, device, ceilings)
                       for w, s, (outs, _) in zip(loaded.workloads, inputs, flat)})
         problem.save(folder / name, inputs, reference, state)
@@ -194,82 +193,19 @@ def _source(cls: type) -> str:
         return f"# source of {cls.__qualname__} not available"
 
 
-# -- the whole model: the frozen end-to-end reference ------------------------------------------
+# -- the whole model: one more problem, for integration ------------------------------------------
 MODEL_DIR = "model"
-MODEL_FILE = "model.json"
-MODEL_TENSOR_FILES = ("state.pt", "inputs.pt", "outputs.pt")
-
-
-class ModelWorkload(BaseModel):
-    """One workload of the whole model: its weight, its outputs and the end-to-end tolerance."""
-
-    name: str
-    weight: float = 1.0
-    inputs: list[TensorSpec] = Field(default_factory=list)
-    outputs: list[TensorSpec] = Field(default_factory=list)
-    tolerance: Tolerance
-    tolerance_source: str = "default"
-    """`calibrated: ...` (see `calibrated_tolerance`), `default` (by the output's dtype and
-    magnitude, when calibration could not run) or `cli` (--e2e-tolerance)."""
-
-
-class ModelReference(BaseModel):
-    """`runs/<run>/model/`: the untouched model's state, inputs and outputs per workload.
-
-    Files next to `model.json`: `state.pt` (every parameter and buffer of the model, persistent
-    or not), `inputs.pt` (one {"args", "kwargs"} set per workload) and `outputs.pt` (one
-    {"structure", "outputs"} per workload), each recorded with its sha256."""
-
-    model_file: str
-    model_hash: str
-    init_hash: str = ""
-    device: str
-    """Where the outputs were computed (`cuda`, `cpu`)."""
-    device_name: str = ""
-    workloads: list[ModelWorkload]
-    state_hash: str = ""
-    """Content hash of the state (tools.problem.tensor_hash): equal after a reload, bit for bit."""
-    hashes: dict[str, str] = Field(default_factory=dict)
-
-    @property
-    def weights(self) -> dict[str, float]:
-        total = sum(w.weight for w in self.workloads) or 1.0
-        return {w.name: w.weight / total for w in self.workloads}
-
-    @classmethod
-    def load(cls, folder: Path) -> "ModelReference":
-        path = Path(folder) / MODEL_FILE
-        if not path.is_file():
-            raise ProblemError(f"{folder}: no {MODEL_FILE} (this run has no frozen model reference; "
-                               "profile the model again to make one)")
-        try:
-            return cls.model_validate_json(path.read_text())
-        except ValueError as e:
-            raise ProblemError(f"{path}: invalid model reference: {e}") from None
-
-    def load_tensors(self, folder: Path, state: bool = True) -> tuple[dict | None, list[dict], list[dict]]:
-        """State, inputs and outputs, each checked against its hash (the state only checked, not
-        loaded, when `state` is False: the sandbox loads it, the tuner need not)."""
-        out = []
-        for fname in MODEL_TENSOR_FILES:
-            path = Path(folder) / fname
-            if not path.is_file():
-                raise ProblemError(f"{path} is missing")
-            if self.hashes.get(fname) != file_hash(path):
-                raise ProblemError(f"{path} changed since the model was frozen (hash mismatch)")
-            load = state or fname != "state.pt"
-            out.append(torch.load(path, weights_only=True, map_location="cpu") if load else None)
-        return out[0], out[1], out[2]
+MODEL_PROBLEM = "model"
 
 
 def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolerance: Tolerance | None = None,
-                 device_name: str = "") -> ModelReference:
-    """Write the whole model's frozen end-to-end reference to `folder` (`runs/<run>/model/`).
-
-    The outputs are today's model on each workload's inputs; the tolerance per workload is
-    `calibrated_tolerance` unless given."""
+                 device_name: str = "", model_env: dict[str, str] | None = None) -> Problem:
+    """The whole model as a problem (`runs/<run>/model/`, region path ""): its inputs and today's
+    outputs per workload, every parameter and buffer, and a tolerance per workload
+    (`calibrated_tolerance` unless given). Integration runs candidates for it (the model with
+    winners routed in, torch.compile of it) through the same trial path as any region."""
     state = module_state(loaded.model)
-    inputs, outputs, workloads = [], [], []
+    inputs, reference, workloads = [], [], []
     with torch.no_grad():
         for w in loaded.workloads:
             input_set = {"args": _detach_cpu(list(w.inputs)), "kwargs": {}}
@@ -286,23 +222,22 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
             else:
                 tol, source = calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
             inputs.append(input_set)
-            outputs.append({"structure": structure, "outputs": outs})
-            workloads.append(ModelWorkload(
+            reference.append({"structure": structure, "outputs": outs})
+            workloads.append(Workload(
                 name=w.name, weight=w.weight, tolerance=tol, tolerance_source=source,
                 inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(input_set))],
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
-    ref = ModelReference(model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
-                         init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
-                         workloads=workloads, state_hash=tensor_hash(state))
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for fname, obj in zip(MODEL_TENSOR_FILES, (state, inputs, outputs)):
-        torch.save(obj, folder / fname)
-        ref.hashes[fname] = file_hash(folder / fname)
-    tmp = folder / (MODEL_FILE + ".tmp")
-    tmp.write_text(ref.model_dump_json(indent=2))
-    tmp.replace(folder / MODEL_FILE)
-    return ref
+    model = loaded.model
+    problem = Problem(
+        name=MODEL_PROBLEM, region_class=type(model).__qualname__, region_path="", instances=[""],
+        region_source=_source(type(model)), model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
+        init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
+        children={n: type(c).__qualname__ for n, c in model.named_children()}, workloads=workloads,
+        tolerance=workloads[0].tolerance, tolerance_source="per workload (end to end)",
+        metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
+        model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}))
+    problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
+    return problem
 
 
 def calibrated_tolerance(model: torch.nn.Module, inputs: list, outputs: list, dtype: torch.dtype,
