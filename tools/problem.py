@@ -201,6 +201,11 @@ class Problem(BaseModel):
     """Per workload: a lower bound on one call's time from bytes moved and FLOPs done."""
     hashes: dict[str, str] = Field(default_factory=dict)
     """sha256 of inputs.pt, reference.pt and state.pt."""
+    # -- written by tools.capture (issue 14); best-effort facts for planners, never read by the verifier
+    graph: dict[str, Any] = Field(default_factory=dict)
+    """What tools.graph found about the region: its signature, arguments, matmuls, RoPE tables, mask."""
+    notes: list[str] = Field(default_factory=list)
+    """Analyses that could not be done at freeze time (FLOP count, trace, ...) and arguments frozen as absent."""
 
     @model_validator(mode="after")
     def _weights(self) -> "Problem":
