@@ -279,25 +279,66 @@ def attention_facts(nodes: list[dict], mms: list[dict]) -> dict | None:
 def rope_facts(nodes: list[dict], mms: list[dict]) -> dict | None:
     """cos and sin of a rotary embedding: the tables multiplied into q and k (cos with q itself,
     sin with rotate_half(q), which comes out of a `cat`), with where each table comes from."""
-    mm_ops = {m["op"]: m["weight"] for m in mms}
-    cos, sin = {}, {}
-    for n in nodes:  # in call order: a later product (RoPE after a q/k norm) wins
-        ops = _operands(n)
-        if n["op"] not in ("mul", "__mul__") or len(ops) != 2:
-            continue
-        for data, table in ((ops[0], ops[1]), (ops[1], ops[0])):
-            d = _op(data)
-            # Tables are inputs or buffers; a parameter times q is a norm's weight, not RoPE.
-            if d is None or not table["from"].startswith(("input:", "buffer:")):
-                continue
-            nearest = max(ancestors(nodes, d) & set(mm_ops), default=None)
-            if nearest is not None:
-                (sin if nodes[d]["op"] == "cat" else cos)[mm_ops[nearest]] = table["from"]
+    cos, sin, _ = _products(nodes, mms)
     both = sorted(set(cos) & set(sin))
     if not both:
         return None
     pick = both[0]
     return {"cos": cos[pick], "sin": sin[pick], "applied_to": both}
+
+
+def _products(nodes: list[dict], mms: list[dict]) -> tuple[dict, dict, dict]:
+    """Elementwise products of a matmul's output (through any ops) with a table: RoPE's cos
+    (times q itself) and sin (times rotate_half(q), a `cat`) when the table is an input or a
+    buffer; a norm's weight (Qwen3's q_norm) when it is a parameter. Keyed by the matmul's
+    weight; in call order, so a later product (RoPE after a q/k norm) wins."""
+    mm_ops = {m["op"]: m["weight"] for m in mms}
+    cos, sin, scales = {}, {}, {}
+    for n in nodes:
+        ops = _operands(n)
+        if n["op"] not in ("mul", "__mul__") or len(ops) != 2:
+            continue
+        for data, table in ((ops[0], ops[1]), (ops[1], ops[0])):
+            d = _op(data)
+            if d is None or not table["from"].startswith(("input:", "buffer:", "param:")):
+                continue
+            nearest = max(ancestors(nodes, d) & set(mm_ops), default=None)
+            if nearest is None:
+                continue
+            if table["from"].startswith("param:"):
+                scales.setdefault(table["from"][6:], mm_ops[nearest])
+            else:
+                (sin if nodes[d]["op"] == "cat" else cos)[mm_ops[nearest]] = table["from"]
+    return cos, sin, scales
+
+
+def _kind(x: Any) -> dict:
+    if isinstance(x, torch.Tensor):
+        return {"kind": "tensor", "dtype": str(x.dtype).removeprefix("torch."), "shape": list(x.shape)}
+    if isinstance(x, (list, tuple)):
+        return {"kind": type(x).__name__, "items": [_kind(v) for v in x]}
+    return {"kind": "none" if x is None else type(x).__name__}
+
+
+def call_facts(input_set: dict, params: list[dict], names: dict[str, str]) -> tuple[list[dict], dict[str, str]]:
+    """Each captured argument (key, expression, kind) in call order, and the named parameters
+    whose value in this call was None or a bool (given or by default), as Python literals: a
+    candidate verified on this call promises nothing for other values of them."""
+    given = {f"arg{i}": v for i, v in enumerate(input_set.get("args", []))}
+    given.update({f"kw:{k}": v for k, v in input_set.get("kwargs", {}).items()})
+    inputs = [{"key": key, "expr": names.get(key, key), **_kind(v)} for key, v in given.items()]
+    by_name = {names.get(key, key): v for key, v in given.items()}
+    literals = {}
+    for p in params:
+        if p["kind"] in ("VAR_POSITIONAL", "VAR_KEYWORD"):
+            continue
+        if p["name"] in by_name:
+            v = by_name[p["name"]]
+            if v is None or isinstance(v, bool):
+                literals[p["name"]] = repr(v)
+        elif p["default"] in ("None", "True", "False"):
+            literals[p["name"]] = p["default"]
+    return inputs, literals
 
 
 def region_facts(region: torch.nn.Module, input_set: dict, structure: str,
@@ -307,7 +348,9 @@ def region_facts(region: torch.nn.Module, input_set: dict, structure: str,
     from tools.region import call_args
     params = signature_facts(type(region))
     names = argument_names(input_set, params)
-    facts: dict[str, Any] = {"signature": params, "arguments": names, "returns": structure}
+    inputs, literals = call_facts(input_set, params, names)
+    facts: dict[str, Any] = {"signature": params, "arguments": names, "inputs": inputs, "literals": literals,
+                             "returns": structure}
     try:
         args, kwargs = call_args(input_set, device)
         nodes = trace(region, args, kwargs, names)
@@ -315,6 +358,7 @@ def region_facts(region: torch.nn.Module, input_set: dict, structure: str,
         return facts, [f"trace: unknown ({type(e).__name__}: {str(e)[:160]})"]
     mms = matmuls(nodes)
     facts.update(matmuls=mms, attention=attention_facts(nodes, mms), rope=rope_facts(nodes, mms),
+                 norm_weights=_products(nodes, mms)[2],
                  ops=[{"op": n["op"], "in": [r["from"] for r in _operands(n)]} for n in nodes[:MAX_OPS]],
                  op_count=len(nodes))
     for a in mms:  # the next matmul fed by this one, and the activation on the way
