@@ -315,8 +315,12 @@ def profile_model(loaded: LoadedModel, device: str | torch.device, workload: str
                     _sync(dev)
     accs = _attribute(prof.events(), gpu, small_us)
     if trace_path is not None:
-        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace_path))
+        try:  # the trace is for people to look at; failing to write it loses nothing else
+            Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace_path))
+        except Exception as e:
+            notes.append(f"trace: not written ({type(e).__name__}: {str(e)[:160]})")
+            trace_path = None
     per = []
     for w in workloads:
         rows = _rows(model, accs.get(w.name, {}), costs[w.name], iters, ceilings)
