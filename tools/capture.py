@@ -176,8 +176,10 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             tol, source = tolerance, "cli"
         if choice.class_name in per_region:
             tol, source = per_region[choice.class_name], "cli (per region)"
-        drift = max(diff([t if t is None else t.detach().cpu() for t in a], r["outputs"]).error(tol)
-                    for a, r in zip(again, reference))
+        # Compared where the rebuilt outputs are: the references go to the device, so the host
+        # never holds a second copy of the outputs.
+        drift = max(diff(a, [r if r is None or t is None else r.to(t.device) for r, t in zip(ref["outputs"], a)]
+                         ).error(tol) for a, ref in zip(again, reference))
         del again
         if drift > tol.value:
             skipped.append(Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
