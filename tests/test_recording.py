@@ -170,3 +170,22 @@ def test_on_the_cpu_inputs_are_shared_and_outputs_changed_later_are_copied(tmp_p
     inputs, outputs, _, _ = record_calls(loaded.model, region, loaded.workloads, ["x"],
                                          Admission(torch.device("cpu"), 0, copies=False))
     assert inputs[0]["args"][0].data_ptr() == x.data_ptr()
+
+
+def test_a_candidate_declares_the_regions_own_signature():
+    from tools.graph import argument_names, render_signature, signature_facts
+
+    class Odd(torch.nn.Module):
+        def forward(self, a, b=2, /, c=None, *rest, d, e=torch.float32, **extra):
+            return a
+
+    params = signature_facts(Odd)
+    assert render_signature(params) == "a, b=2, /, c=None, *rest, d, e=None, **extra"
+    names = argument_names({"args": [1, 2, 3, 4], "kwargs": {"d": 0, "zz": 1}}, params)
+    assert names == {"arg0": "a", "arg1": "b", "arg2": "c", "arg3": "rest[0]", "kw:d": "d", "kw:zz": "extra['zz']"}
+    source = f"def forward(module, {render_signature(params)}):\n    return a\n"
+    compile(source, "<candidate>", "exec")
+    from tools.graph import call_facts
+    call = {"args": [1, 2], "kwargs": {"d": None}}
+    _, literals = call_facts(call, params, argument_names(call, params))
+    assert literals == {"c": "None", "d": "None"}  # e's default is float32, not the None it is written as

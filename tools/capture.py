@@ -135,6 +135,10 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
         if not paths:
             skipped.append(Skipped(choice.class_name, "no module of this class in the model"))
             continue
+        kinds = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in map(loaded.model.get_submodule, paths)})
+        if len(kinds) > 1:  # a winner is routed by class name: it would replace both classes' forwards
+            skipped.append(Skipped(choice.class_name, f"several classes have this name ({', '.join(kinds[:3])})"))
+            continue
         rep = paths[0]
         module = loaded.model.get_submodule(rep)
         state = module_state(module)

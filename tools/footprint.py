@@ -107,18 +107,22 @@ class Admission:
         return self.state_bytes + WORKER_DEVICE_IO * self.largest_io
 
     def workers_that_fit(self) -> int | None:
-        """How many sandbox workers fit on this host at once (None: unknown)."""
-        if not self.host_free or not self.worker_host():
-            return None
-        return int(self.host_free // self.worker_host())
+        """How many sandbox workers fit at once, by host and device memory (None: unknown)."""
+        counts = []
+        if self.host_free and self.worker_host():
+            counts.append(int(self.host_free // self.worker_host()))
+        total = device_total(self.device)
+        if total and self.worker_device():
+            counts.append(int(GPU_MEMORY_FRACTION * total // self.worker_device()))
+        return min(counts) if counts else None
 
     def note(self) -> str | None:
         """A note for the problem when memory, not cores, limits the workers."""
         n = self.workers_that_fit()
         if n is None or n >= 8:
             return None
-        return (f"memory: each sandbox worker holds about {_gb(self.worker_host())} of host memory for this problem; "
-                f"about {n} fit in the {_gb(self.host_free)} available")
+        return (f"memory: each sandbox worker holds about {_gb(self.worker_host())} of host and "
+                f"{_gb(self.worker_device())} of device memory for this problem; about {n} fit at once")
 
 
 def _gb(n: float) -> str:

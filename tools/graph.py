@@ -35,8 +35,8 @@ SDPA = "scaled_dot_product_attention"
 
 # -- the signature -------------------------------------------------------------------------
 def signature_facts(cls: type) -> list[dict]:
-    """forward's parameters after `self`: name, kind and a literal default ("None" when the
-    default is not a plain literal), or [] when there is no inspectable signature."""
+    """forward's parameters after `self`: name, kind and a literal default ("None", with
+    literal False, when the default is not a plain literal), or [] without a signature."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -44,9 +44,10 @@ def signature_facts(cls: type) -> list[dict]:
     out = []
     for p in params:
         d = p.default
-        default = None if d is inspect.Parameter.empty else (
-            repr(d) if d is None or isinstance(d, (bool, int, float, str)) else "None")
-        out.append({"name": p.name, "kind": p.kind.name, "default": default})
+        literal = d is None or isinstance(d, (bool, int, float, str))
+        default = None if d is inspect.Parameter.empty else (repr(d) if literal else "None")
+        out.append({"name": p.name, "kind": p.kind.name, "default": default,
+                    "literal": d is not inspect.Parameter.empty and literal})
     return out
 
 
@@ -336,8 +337,8 @@ def call_facts(input_set: dict, params: list[dict], names: dict[str, str]) -> tu
             v = by_name[p["name"]]
             if v is None or isinstance(v, bool):
                 literals[p["name"]] = repr(v)
-        elif p["default"] in ("None", "True", "False"):
-            literals[p["name"]] = p["default"]
+        elif p["default"] in ("None", "True", "False") and p.get("literal", True):
+            literals[p["name"]] = p["default"]  # not a stand-in None for a default we cannot write
     return inputs, literals
 
 
