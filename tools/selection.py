@@ -68,6 +68,7 @@ class _Tree:
         self.composite = {q for q, c in self.classes.items() if not c.container
                           and any(self.called_children(p) for p in c.paths)}
         self._fate: dict[str, tuple[str, str]] = {}
+        self._shadowed: dict[tuple[str, frozenset], bool] = {}
 
     def called_children(self, path: str) -> list[HotspotRow]:
         """Children that ran, looking through containers (ModuleList, Sequential, ...)."""
@@ -101,9 +102,13 @@ class _Tree:
     def shadowed(self, leaf: str, guard: frozenset) -> bool:
         """A leaf class with an instance inside a composite class taken whole can never be
         chosen next to it: where it is called outside, its time is lost to finer regions."""
-        return any(_inside(p, a) for q in self.composite if q != leaf and q not in guard
-                   and self.fate(self.classes[q], guard)[0] == "whole"
-                   for a in self.classes[q].paths for p in self.classes[leaf].paths)
+        key = (leaf, guard)
+        if key not in self._shadowed:  # memoised: large models call this per instance
+            self._shadowed[key] = any(
+                _inside(p, a) for q in self.composite if q != leaf and q not in guard
+                and self.fate(self.classes[q], guard)[0] == "whole"
+                for a in self.classes[q].paths for p in self.classes[leaf].paths)
+        return self._shadowed[key]
 
     def fate(self, c: ClassRow, guard: frozenset = frozenset()) -> tuple[str, str]:
         """("whole" | "descend", why) for class c."""
