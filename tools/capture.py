@@ -68,18 +68,6 @@ def instances_of(model: torch.nn.Module, class_name: str) -> list[str]:
     return [p for p, m in model.named_modules() if type(m).__qualname__ == class_name]
 
 
-def _capture(loaded: LoadedModel, path: str, admission: Admission | None = None
-             ) -> tuple[list[dict], list[Any], dict[str, int]]:
-    """Inputs and outputs of the first call of the module at `path` in every workload (see
-    `tools.recording`); raises RuntimeError when a workload never calls it."""
-    module = loaded.model.get_submodule(path)
-    device = next((t.device for t in tensors_in([w.inputs for w in loaded.workloads])), torch.device("cpu"))
-    admission = admission or Admission(device, 0, copies=device.type != "cpu")
-    names = [p["name"] for p in signature_facts(type(module))]
-    inputs, outputs, per_forward, _ = record_calls(loaded.model, module, loaded.workloads, names, admission)
-    return inputs, outputs, per_forward
-
-
 def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: dict, device: torch.device,
               ceilings: dict | None, notes: list[str] | None = None) -> float | None:
     """Lower bound for one call: each input, output and parameter moved once, FLOPs at peak.
