@@ -56,18 +56,29 @@ def test_the_set_has_three_levels_and_twenty_problems():
     assert set(HF) <= {p.stem for p in SET.glob("hf_*.py")}
 
 
+def _choices(loaded) -> list[RegionChoice]:
+    """Every class that qualifies as a region (coverage 1.0: which classes qualify is under test,
+    not where a CPU profile crosses 90%), from the best of up to three profiles: on a loaded
+    two-core machine one preempted op can put a fifth of a tiny model's time in a residual add."""
+    best: tuple[float, list] = (-1.0, [])
+    for _ in range(3):
+        rows = select_regions(profile_model(loaded, "cpu", None, None, iters=3, warmup=1), coverage=1.0)
+        best = max(best, (sum(r.share for r in rows), rows), key=lambda b: b[0])
+        if best[0] >= 0.9:
+            break
+    return [RegionChoice(r.class_name, r.share) for r in best[1]]
+
+
 @pytest.fixture(scope="module")
 def frozen(tmp_path_factory):
-    """{model file stem: (coverage, [problem]), ...} plus one runner holding every problem."""
+    """{model file stem: (coverage, [problem], skipped), ...} plus one runner holding every problem."""
     folder = tmp_path_factory.mktemp("problem-set") / "problems"
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' config chatter
         for stem in OWN + list(HF):
             loaded = load_model(SET / f"{stem}.py", "cpu")
-            result = profile_model(loaded, "cpu", None, None, iters=2, warmup=1)
-            choices = [RegionChoice(r.class_name, r.share) for r in select_regions(result)]
-            problems, skipped = freeze(loaded, choices, folder, torch.device("cpu"), ceilings=CEILINGS)
+            problems, skipped = freeze(loaded, _choices(loaded), folder, torch.device("cpu"), ceilings=CEILINGS)
             out[stem] = (sum(p.share_of_model for p in problems), problems, skipped)
     runner = TrialRunner("cpu")
     for _, problems, _ in out.values():
