@@ -209,6 +209,11 @@ class Problem(BaseModel):
     model_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables the model file read when it was frozen (LLAMA_PRESET, ...): the
     sandbox workers get exactly these, so they build the same model."""
+    # -- written by tools.capture (issue 14); best-effort facts for planners, never read by the verifier
+    graph: dict[str, Any] = Field(default_factory=dict)
+    """What tools.graph found about the region: its signature, arguments, matmuls, RoPE tables, mask."""
+    notes: list[str] = Field(default_factory=list)
+    """Analyses that could not be done at freeze time (FLOP count, trace, ...) and arguments frozen as absent."""
 
     @model_validator(mode="after")
     def _weights(self) -> "Problem":
