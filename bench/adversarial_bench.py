@@ -146,6 +146,36 @@ if before_run != after_run:
     con.print(f"  changed: {sorted(set(before_run.items()) ^ set(after_run.items()))[:8]}")
 con.print(f"wrong statuses: {wrong or 'none'}")
 
+step("no false positives: own forward and plain-torch rewrites on torch's own regions and whole models")
+honest = []
+if "--skip-honest" not in sys.argv:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_verdicts import CASES, MODELS, OWN, REWRITES  # noqa: E402
+    from tools.capture import RegionChoice, freeze, freeze_model  # noqa: E402
+    from tools.modelfile import load_model  # noqa: E402
+    import torch  # noqa: E402
+    for model_file, cls in CASES:
+        folder = work / "honest" / cls
+        loaded = load_model(MODELS / model_file, "cpu" if CPU else "cuda")
+        dev = torch.device("cpu" if CPU else "cuda")
+        probs, _ = freeze(loaded, [RegionChoice(cls)], folder / "problems", dev)
+        freeze_model(loaded, folder / "model", dev)
+        hr = TrialRunner(DEVICE, lim)
+        try:
+            hr.add_problem(folder / "problems" / probs[0].name)
+            hr.add_problem(folder / "model")
+            for i, src in enumerate([OWN, *REWRITES[cls]]):
+                t = hr.run(Candidate(region=probs[0].name, source=src))
+                honest.append((cls, f"rewrite {i}" if i else "own forward", t.status.value, t.reason[:80],
+                               t.speedup and round(t.speedup, 3), t.noise_band and round(t.noise_band, 4)))
+            t = hr.run(Candidate(region="model", source=OWN))
+            honest.append((cls, "whole model, own forward", t.status.value, t.reason[:80],
+                           t.speedup and round(t.speedup, 3), t.noise_band and round(t.noise_band, 4)))
+        finally:
+            hr.close()
+    for h_ in honest:
+        con.print(f"honest: {h_}")
+
 step("A/A integration of the untouched model")
 aa = None
 if "--skip-aa" not in sys.argv:
@@ -192,7 +222,7 @@ if aa is not None:
                   f"band ±{w.noise_band:.3%} -> {w.verdict}")
 for r in tune_rows:
     con.print(f"tune --planner files: {r}")
-json.dump({"rows": rows, "speed": speed, "wrong": wrong, "run_identical": before_run == after_run,
+json.dump({"honest": honest, "rows": rows, "speed": speed, "wrong": wrong, "run_identical": before_run == after_run,
            "model_identical": before_model == after_model, "tune": tune_rows,
            "aa": [w.model_dump() for w in aa.workloads] if aa else None}, open(out_dir / "adversarial.json", "w"),
           indent=1, default=str)

@@ -126,7 +126,9 @@ class TrialRunner:
 
     def _fail(self, c: Candidate, lp: LoadedProblem | None, reply: Reply, **extra: Any) -> Trial:
         status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.crash
-        tampered = self._tampered_after_failure() if status not in (Status.crash, Status.lost) else []
+        if status is Status.oom:  # what it allocated may still be held by its module: a fresh worker next
+            self.worker.kill()
+        tampered = self._tampered_after_failure() if status not in (Status.crash, Status.lost, Status.oom) else []
         if tampered:  # the failure came with tampering: that is the verdict, and the worker goes
             return self._suspicious(c, lp, "the candidate replaced functions of torch or the harness (and then "
                                     f"failed: {_first_line(reply.error)}): " + ", ".join(tampered[:5]),

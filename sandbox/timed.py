@@ -6,14 +6,16 @@ Per workload, under the device lock:
     for each round (the order alternates, so drift hits both sides alike):
         the original, in the reference worker          -> its samples are trusted
         the candidate, in its worker, on the same fresh inputs; the tuner's own clock around it
-        an empty run of the same shape in the reference worker, clock around it too
         one repetition picked at random AFTER the run: its output, copied when it was timed,
             against the original's on the same inputs (the reference worker computes it)
 
-- The candidate's claimed total may not be far below the tuner's clock (its run's wall time
-  minus the empty run's): a forged timer, patched statistics, a forged reply or work hidden
-  on another stream all show there. A run that drained (the host fell behind the device, so
-  the clock saw idle time) is run again with a longer lead before that is concluded.
+- Both runs do the same work around their calls (inputs, flushes, output copies, checksums,
+  one device sleep of the same length), so the original's run, whose numbers are trusted,
+  shows what that work costs; the candidate's wall time less that is what its calls took, by
+  the tuner's own clock. Its claimed total may not be far below that: a forged timer, patched
+  statistics, a forged reply or work hidden on another stream all show there. A run that
+  drained (the host fell behind the device, so the clock saw idle time) is run again with a
+  longer lead before that is concluded.
 - The noise band is A/A: how far runs of the same code move (the original's runs against each
   other, the candidate's, and the original run in the candidate's worker against the reference
   worker's), stored with the result: a speedup inside it is no change.
@@ -41,7 +43,7 @@ CLAIM_REL = {"cuda": 0.25, "cpu": 0.9}
 own per-call work and other processes' load sit in the clock's time too, so only a claim of
 under a tenth of it is refuted there)..."""
 CLAIM_ABS_MS = {"cuda": 1.0, "cpu": 50.0}
-"""...plus this much, plus 2% of the empty run's wall time (its jitter). On the CPU both clocks
+"""...plus this much, plus 2% of the original's run's wall time (its jitter). On the CPU both clocks
 run in processes that compete for the same cores with the tuner and each other, so there the
 check refutes only gross claims; the integrity check is the CPU's first line."""
 MAX_LEAD_MS = 2000.0
@@ -117,40 +119,42 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     from sandbox.runner import seed
     lim, p = r.limits, lp.problem
     ref, cand = r.reference, r.worker
-    out_bytes = sum(t.numel() * t.element_size() for t in lp.reference[i]["outputs"] if t is not None)
+    n = _elements(lp, i)
     s = seed()
-    wb, _ = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS}, lim.time_s)
-    wc, _ = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS}, lim.time_s)
+    wb, _ = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
+    wc, _ = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
     est = statistics.median(_samples(wb)) + statistics.median(_samples(wc))
     rounds = max(2, lim.rounds)
     reps = int(max(MIN_REPS, min(lim.max_reps, budget_ms / rounds / max(est, 1e-3))))
-    lead_b, lead_c = _lead_ms(wb, reps), _lead_ms(wc, reps)
+    # One lead for both sides, in device cycles of the reference worker's calibration, so the
+    # two runs' walls differ by their calls' device time and nothing else. The whole model runs
+    # without one: what a forward costs there includes the host's launches (a region's kernels
+    # are compared by device time, as do_bench does; a model by what its user waits for).
+    cycles = float(wb.header.get("cycles_per_ms") or 0.0)
+    lead = 0.0 if p.is_whole_model else max(_lead_ms(wb, reps), _lead_ms(wc, reps))
     base_runs: list[list[float]] = []
     cand_runs: list[list[float]] = []
     parent: list[float] = []
     aa: list[float] = []
     for k in range(rounds):
         s = seed()
-        sides = ("base", "cand") if k % 2 == 0 else ("cand", "base")
-        for side in sides:
-            if side == "base":
-                rb, _ = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": reps, "lead_ms": lead_b}, lim.time_s)
-                base_runs.append(_samples(rb))
-            else:
-                samples, bound, lead_c = _candidate_run(r, lp, i, s, reps, lead_c, out_bytes)
-                cand_runs.append(samples)
-                parent.append(bound)
+        req = {"set": i, "seed": s, "reps": reps, "key_len": n, "lead_cycles": lead * cycles}
+        rb, wall_b = _batch(ref, {"problem": p.name, **req}, lim.time_s)
+        base_runs.append(_samples(rb))
+        samples, per_call, lead = _candidate_run(r, lp, req, rb, wall_b, lead, cycles)
+        cand_runs.append(samples)
+        parent.append(per_call)
         _spot_check(r, lp, i, s, reps)
         _tamper(r)
         if k == 0:  # A/A across the two processes: the original in the candidate's worker
-            ctl, _ = _batch(cand, {"set": i, "seed": s, "reps": reps, "lead_ms": lead_b, "control": True}, lim.time_s)
+            ctl, _ = _batch(cand, {**req, "control": True}, lim.time_s)
             aa.append(timing.stats(_samples(ctl)).median_ms / max(timing.stats(base_runs[-1]).median_ms, 1e-9))
     base = timing.stats([x for run in base_runs for x in run])
     cnd = timing.stats([x for run in cand_runs for x in run])
     medians = [timing.stats(run).median_ms for run in base_runs]
     kind = wb.header.get("timing_kind", "cpu")
-    # A/A: how far each side's runs move against themselves; the wider of the two bounds what
-    # a ratio of their medians can show without any real change.
+    # A/A: how far each side's runs move against themselves, and the original across the two
+    # processes: the widest bounds what a ratio of their medians can show without a real change.
     band = max(timing.noise_band(medians, kind),
                timing.noise_band([timing.stats(run).median_ms for run in cand_runs], kind),
                *[abs(math.log(x)) for x in aa if x > 0 and math.isfinite(x)])
@@ -161,34 +165,34 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
                           baseline_runs=medians)
 
 
-def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int, lead: float,
-                   out_bytes: int) -> tuple[list[float], float, float]:
-    """One timed run of the candidate, bounded by the tuner's clock: (samples, the clock's time
-    per call, the lead used). Drained runs are repeated with a longer lead, twice at most."""
-    lim, p = r.limits, lp.problem
+def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply", wall_b: float, lead: float,
+                   cycles: float) -> tuple[list[float], float, float]:
+    """One timed run of the candidate on the inputs the original's run `rb` just had, bounded by
+    the tuner's clock: the original's run (trusted) shows what the harness costs around the calls
+    (its wall time less its calls), so the candidate's wall time less that is what its calls
+    took. Returns (samples, that time per call, the lead used). A run that drained (the host fell
+    behind the GPU, so the clock saw idle time) is repeated with a longer lead, twice at most."""
+    lim, reps = r.limits, req["reps"]
+    overhead = max(0.0, wall_b - sum(_samples(rb)))
     for attempt in range(3):
-        n = _elements(lp, i)
-        rc, wall_c = _batch(r.worker, {"set": i, "seed": s, "reps": reps, "lead_ms": lead, "key_len": n}, lim.time_s)
-        re_, wall_e = _batch(r.reference, {"problem": p.name, "set": i, "seed": s, "reps": reps, "lead_ms": lead,
-                                           "empty": True, "pad_bytes": out_bytes, "key_len": n}, lim.time_s)
+        rc, wall_c = _batch(r.worker, {**req, "lead_cycles": lead * cycles}, lim.time_s)
         samples = _samples(rc)
         sums = rc.header.get("checksums")
         if len(samples) != reps or not isinstance(sums, list) or len(sums) != reps:
             raise Refused("suspicious", f"the worker reported {len(samples)} timings for {reps} repetitions")
-        # The candidate's run does all the empty run does and more: an answer sooner is not its own
-        # (on the CPU, other processes' load moves both clocks, so only a gross gap counts).
         kind = rc.header.get("timing_kind", "cpu")
-        slack = CLAIM_ABS_MS.get(kind, 50.0)
-        if wall_c < (0.9 if kind == "cuda" else 0.25) * wall_e - slack:
-            raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than an empty run of the "
-                          f"same shape ({wall_e:.1f} ms): the reply was not produced by the run")
-        bound = max(0.0, wall_c - wall_e)
+        slack = CLAIM_ABS_MS.get(kind, 50.0) + 0.02 * wall_b
+        # The candidate's run does all the original's run does around its calls: an answer
+        # sooner than that is not the run's (on the CPU only a gross gap counts).
+        if wall_c < (0.9 if kind == "cuda" else 0.25) * overhead - slack:
+            raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than the harness's own "
+                          f"work around the calls takes ({overhead:.1f} ms): the reply was not produced by the run")
+        bound = max(0.0, wall_c - overhead)
         claimed = sum(samples)
-        rel = CLAIM_REL.get(kind, 0.75)
-        if claimed >= bound * (1 - rel) - slack - 0.02 * wall_e:
+        if claimed >= bound * (1 - CLAIM_REL.get(kind, 0.9)) - slack:
             r.last_checksums = [float(x) for x in sums]
             return samples, bound / reps, lead
-        if rc.header.get("timing_kind") == "cuda" and _drained(rc, re_) and attempt < 2:
+        if kind == "cuda" and not lp.problem.is_whole_model and _drained(rc, rb) and attempt < 2:
             lead = min(MAX_LEAD_MS, 4 * lead + 5.0)
             continue
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
@@ -197,8 +201,8 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: 
     raise AssertionError("unreachable")
 
 
-def _drained(rc: "Reply", re_: "Reply") -> bool:
-    gc, ge = rc.header.get("gaps") or [], re_.header.get("gaps") or []
+def _drained(rc: "Reply", rb: "Reply") -> bool:
+    gc, ge = rc.header.get("gaps") or [], rb.header.get("gaps") or []
     if not gc or not ge:
         return False
     return statistics.median(gc) > 1.5 * statistics.median(ge) + 0.005

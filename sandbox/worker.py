@@ -7,9 +7,9 @@ problems (the region rebuilt from the model file and the frozen state, which arr
 descriptors) and answer requests over a socket (`protocol`):
 
 - a *reference* worker runs only the original region: the outputs for fresh inputs and for
-  perturbed parameters (`refs`), and timed runs of the original (`batch`), including empty
-  runs that measure the harness's own cost. The tuner trusts these numbers, so this process
-  never imports candidate code (`load` is refused);
+  perturbed parameters (`refs`), and timed runs of the original (`batch`), which also show
+  the tuner what the harness's own work around the calls costs. The tuner trusts these
+  numbers, so this process never imports candidate code (`load` is refused);
 - a *candidate* worker imports one candidate at a time (`load`), runs the verification calls
   (`verify`, then `verify_outputs` ships what they returned), and runs timed batches whose
   outputs the tuner samples afterwards (`batch`, `kept`).
@@ -116,41 +116,38 @@ class Worker:
         return header, payload
 
     def op_batch(self, req: dict, _: Any) -> tuple[dict, Any]:
-        """Timed repetitions on fresh inputs drawn from frozen set `set` with `seed`: the
-        original (reference worker), nothing (`empty`, reference worker) or the candidate."""
+        """Timed repetitions on fresh inputs drawn from frozen set `set` with `seed`: the original
+        (reference worker; `control`: the original in the candidate's worker) or the candidate.
+        Both sides copy and checksum every output, so their runs differ only in their calls."""
         from tools.timing import run_batch
         p = self.problems[req["problem"]] if self.role == "reference" else self._loaded()[1]
         base_args, base_kwargs = self._device_set(p, req["set"])
         seed = int(req["seed"])
         make = lambda j: T.vary_set(base_args, base_kwargs, seed + 1000003 * j)  # noqa: E731
-        copy_out: Callable | None = None
-        if req.get("empty"):
-            call = None
-        elif self.role == "reference" or req.get("control"):
-            # `control`: the original in the candidate's worker, against the reference worker's
-            # runs of it: the A/A ratio across the two processes (a noise band, never a result).
+        if self.role == "reference" or req.get("control"):
             region, fwd = p["region"], p["forward"]
             call = lambda a: fwd(region, *a[0], **a[1])  # noqa: E731
         else:
             fwd, module = self.candidate["forward"], self.candidate["module"]
             # The same call path as the original's above: a wrapper here would be timed as the candidate's.
             call = lambda a: fwd(module, *a[0], **a[1])  # noqa: E731
-            copy_out = self._copy_outputs
+        keep = self.role == "candidate" and not req.get("control")
         self.kept = []
         with self.torch.no_grad():
             try:
-                got = run_batch(call, make, int(req["reps"]), self.device, self.clock, lead_ms=float(req.get("lead_ms", 0)),
-                                copy_out=copy_out, pad_bytes=int(req.get("pad_bytes", 0)), seed=seed,
-                                key_len=int(req.get("key_len", 1)))
+                got = run_batch(call, make, int(req["reps"]), self.device, self.clock,
+                                lead_cycles=float(req.get("lead_cycles", 0)), copy_out=self._copy_outputs,
+                                keep=keep, seed=seed, key_len=int(req.get("key_len", 1)))
             except Failure:
                 raise
             except BaseException as e:
                 raise classify(e, "run")
         kept = got.pop("kept")
-        self.kept = kept if copy_out is not None else []
-        # No integrity check here: a timed run's request is bounded by the tuner's clock against an
-        # empty run of the reference worker, so it must do the same work and nothing more.
-        return {**got, "timing_kind": "cuda" if self.clock else "cpu"}, None
+        self.kept = kept if keep else []
+        # No integrity check here: the tuner's clock around this request is compared with the
+        # original's run of the same shape, so it must do the same work and nothing more.
+        return {**got, "timing_kind": "cuda" if self.clock else "cpu",
+                "cycles_per_ms": self.clock.cycles_per_ms if self.clock else 0.0}, None
 
     def op_integrity(self, req: dict, _: Any) -> tuple[dict, Any]:
         return {"tampered": integrity.changed(self.snapshot, self.classes, list(COMPUTE_OPS))}, None

@@ -234,3 +234,40 @@ def test_tune_ends_with_integration(tmp_path):
     assert isinstance(integration, dict), integration
     assert integration["timing_kind"] == "cpu" and [w["name"] for w in integration["workloads"]] == ["rows8", "rows32"]
     assert (Path(summary["run"]) / "integration.json").is_file()
+
+
+def test_generated_model_candidates_render_and_run_without_a_gpu(tmp_path):
+    """The routed model, its CUDA-graph variant (which runs eagerly where there is no GPU) and a
+    torch.compile candidate render from their templates (StrictUndefined) and route as said."""
+    import importlib.util
+    from agent.integrate import compile_candidate, graphed_candidate, routed_candidate
+    from agent.planners.compiler import CompilerPlanner, all_points
+    from agent.prompting import render_code
+    from tools.problem import Problem
+    doubled = "def forward(module, x):\n    return 2 * type(module).forward(module, x)\n"
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(x) + 1
+
+    fake = Problem.model_construct(region_class="LayerNorm")
+    x = torch.randn(2, 8)
+    model = Tiny()
+    want = 2 * torch.nn.functional.layer_norm(x, (8,), model.norm.weight, model.norm.bias) + 1
+    for c in (routed_candidate([(fake, doubled)]), graphed_candidate([(fake, doubled)])):
+        path = tmp_path / f"{c.hash}.py"
+        path.write_text(c.source)
+        spec = importlib.util.spec_from_file_location(f"cand_{c.hash}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        assert torch.allclose(mod.forward(model, x), want)
+        model = Tiny()
+    assert "torch.compile(module, **kw)" in compile_candidate("max-autotune-no-cudagraphs").source
+    assert len(all_points()) == 2 ** 10
+    assert CompilerPlanner(device="cpu").modes == (None, "max-autotune-no-cudagraphs")
+    text = render_code("kernels/torch_compile.py.j2", mode="reduce-overhead", options={})
+    assert "_GRAPHED = _MODE ==" in text

@@ -68,6 +68,8 @@ class IntegrationResult(BaseModel):
     """What the reader should know: baselines skipped on the CPU, regions with no kept candidate, ..."""
     noise_band: float | None = None
     """The weighted A/A band: a weighted speedup within 1 +- this is `no change`."""
+    cuda_graph: bool = False
+    """The timed tuned model is captured in a CUDA graph per workload shape (integration's last step)."""
     created_at: float = Field(default_factory=time.time)
 
     def save(self, run_path: Path) -> Path:

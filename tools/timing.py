@@ -12,11 +12,11 @@ In a worker, `run_batch` times one callable over `reps` repetitions:
   is checked is what the call had produced when it was timed;
 - on the CPU: the host clock around each call, labelled a CPU timing everywhere.
 
-The tuner (sandbox/runner.py) then reads raw samples, never a worker's statistics. The
-baseline is timed in a worker that never ran candidate code; each worker's claimed total is
-bounded by the tuner's own clock over the whole run, against an empty run of the same shape
-(`empty=True`: the same input making, flushes and copies, no call). Noise is measured as the
-spread between runs of the original against itself (A/A) and stored with every result.
+The tuner (sandbox/timed.py) then reads raw samples, never a worker's statistics. The
+baseline is timed in a worker that never ran candidate code; a candidate's claimed total is
+bounded by the tuner's own clock over the whole run, against the baseline's run of the same
+shape (the same input making, flushes, copies and checksums around the calls). Noise is
+measured as the spread between runs of the same code (A/A) and stored with every result.
 """
 
 from __future__ import annotations
@@ -109,30 +109,27 @@ def checksum(leaves: list, key: torch.Tensor | None) -> torch.Tensor:
     return (x * k).sum()
 
 
-def run_batch(call: Callable[[Any], Any] | None, make_inputs: Callable[[int], Any], reps: int,
-              device: torch.device, clock: CudaClock | None, *, lead_ms: float = 0.0,
-              copy_out: Callable[[Any], Any] | None = None, pad_bytes: int = 0, seed: int = 0,
+def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], reps: int,
+              device: torch.device, clock: CudaClock | None, *, lead_cycles: float = 0.0,
+              copy_out: Callable[[Any], Any] | None = None, keep: bool = True, seed: int = 0,
               key_len: int = 1) -> dict:
     """`reps` timed repetitions of `call(make_inputs(i))`. Returns raw per-repetition times
     (`samples`, ms), the device gaps between repetitions (`gaps`, CUDA), the host time spent
-    queueing (`host_ms`), the copies `copy_out` made of each output (`kept`), and a checksum of
-    each copy (`checksums`): the run's commitment to outputs the tuner samples afterwards.
-
-    `call=None` is the empty run: the same inputs, flushes and (with `pad_bytes`) output-sized
-    copies and checksums, no call; the tuner subtracts its wall time from a real run's."""
+    queueing (`host_ms`), the copies `copy_out` made of each output (`kept`, when `keep`), and a
+    checksum of each copy (`checksums`): the run's commitment to the outputs the tuner samples
+    afterwards. The original's runs and the candidate's do exactly the same work around the
+    calls, so the tuner can tell what the calls took from its own clock."""
     kept: list[Any] = []
     sums: list[torch.Tensor] = []
-    pad = torch.zeros(max(1, key_len), dtype=torch.float32, device=device) if call is None and pad_bytes else None
-    key = checksum_key(max(1, key_len), seed, device) if (copy_out is not None or pad is not None) else None
+    key = checksum_key(max(1, key_len), seed, device) if copy_out is not None else None
 
-    def keep(out: Any) -> None:
-        if call is not None and copy_out is not None:
-            copies, meta = copy_out(out)
+    def keep_out(out: Any) -> None:
+        if copy_out is None:
+            return
+        copies, meta = copy_out(out)
+        sums.append(checksum(copies, key))
+        if keep:
             kept.append((copies, meta))
-            sums.append(checksum(copies, key))
-        elif pad is not None:
-            kept.append(pad.clone())
-            sums.append(checksum([kept[-1]], key))
 
     t0 = time.perf_counter()
     if clock is None:
@@ -140,23 +137,23 @@ def run_batch(call: Callable[[Any], Any] | None, make_inputs: Callable[[int], An
         for i in range(reps):
             inputs = make_inputs(i)
             s = time.perf_counter()
-            out = call(inputs) if call is not None else None
+            out = call(inputs)
             samples.append((time.perf_counter() - s) * 1e3)
-            keep(out)
+            keep_out(out)
             del out, inputs
         return {"samples": samples, "gaps": [], "host_ms": (time.perf_counter() - t0) * 1e3, "kept": kept,
                 "checksums": [float(x) for x in sums]}
     events = []
-    if lead_ms > 0:
-        torch.cuda._sleep(int(lead_ms * clock.cycles_per_ms))
+    if lead_cycles > 0:
+        torch.cuda._sleep(int(lead_cycles))
     for i in range(reps):
         inputs = make_inputs(i)
         clock.flush_buf.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = call(inputs) if call is not None else None
+        out = call(inputs)
         end.record()
-        keep(out)
+        keep_out(out)
         events.append((start, end))
         del out, inputs
     host_ms = (time.perf_counter() - t0) * 1e3
