@@ -3,6 +3,11 @@
 A candidate is *kept* only when it passed the tolerance on every target generation; its
 rank is its smallest speedup over those generations, since a win on one generation can be
 a regression on another.
+
+A (candidate, generation) whose attempts end without a result (a `lost` trial: the worker was
+lost for reasons not the candidate's; or the tuner itself died while the trial ran) is run
+again, but only until `MAX_UNFINISHED` attempts have ended that way: a candidate that kills
+its worker's host, or the tuner, must not stop every resume at the same place.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tools.trial import Status, Trial
+
+MAX_UNFINISHED = 2
+"""Attempts of one (candidate, generation) that may end without a result before it is not run again."""
 
 
 @dataclass
@@ -44,12 +52,18 @@ class History:
         """Per region: the generations a candidate must pass on."""
         self.pending: set[tuple[str, str]] = set()
         """(region, hash) of candidates in flight: planned already, so not to be proposed again."""
+        self.lost: dict[tuple[str, str, str], int] = defaultdict(int)
+        """(region, hash, generation) -> trials recorded `lost`."""
+        self.interrupted: dict[tuple[str, str, str], int] = {}
+        """(region, hash, generation) -> trials the tuner died in (started, never ended; from the store)."""
 
     def snapshot(self) -> "History":
         """A copy a planner can read in another thread while the loop keeps adding trials."""
         copy = History(self.generations)
         copy.trials = list(self.trials)
         copy.pending = set(self.pending)
+        copy.lost = defaultdict(int, self.lost)
+        copy.interrupted = dict(self.interrupted)
         for key, rec in list(self.records.items()):
             copy.records[key] = CandidateRecord(rec.region, rec.candidate_hash, rec.template, rec.params,
                                                 rec.planner, dict(rec.by_generation))
@@ -62,17 +76,27 @@ class History:
         if rec is None:
             rec = self.records[key] = CandidateRecord(trial.region, trial.candidate_hash, trial.template,
                                                       trial.params, trial.planner)
+        if trial.status is Status.lost:
+            self.lost[(trial.region, trial.candidate_hash, trial.generation)] += 1
         rec.by_generation[trial.generation] = trial
         return rec
+
+    def unfinished(self, region: str, digest: str, generation: str) -> int:
+        """Attempts that ended without a result: lost, or the tuner died while it ran."""
+        key = (region, digest, generation)
+        return self.lost.get(key, 0) + self.interrupted.get(key, 0)
 
     def targets(self, region: str) -> list[str]:
         return self.generations.get(region) or sorted({t.generation for t in self.trials if t.region == region})
 
     def done(self, region: str, digest: str, generation: str) -> bool:
-        """Finished on this generation; a trial `lost` with its worker is not a result."""
+        """Finished on this generation. A trial `lost` with its worker is not a result, and is
+        run again until `MAX_UNFINISHED` attempts have ended without one."""
         rec = self.records.get((region, digest))
         trial = rec.by_generation.get(generation) if rec else None
-        return trial is not None and trial.status is not Status.lost
+        if trial is not None and trial.status is not Status.lost:
+            return True
+        return self.unfinished(region, digest, generation) >= MAX_UNFINISHED
 
     def tried(self, region: str, digest: str) -> bool:
         """Finished on every target generation, or in flight now."""
