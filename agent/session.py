@@ -167,14 +167,14 @@ def _search_and_review(req: TuneRequest, run: RunFolder, lock: RunLock, settings
         progress.note(text)
         warn(text)
 
+    progress.start(f"session start: {run.path}, planner {settings.planner}, devices {settings.devices or 'auto'}, "
+                   f"caps {rule.gpu_hours:g} h, {rule.max_candidates} candidates, patience {rule.patience}")
     for text in list(notes):
         progress.note(text)
         warn(text)
     removed = clean_stale_worker_dirs()
     if removed:
         note(f"removed {removed} sandbox temp folder(s) left by tuners that were killed")
-    progress.start(f"session start: {run.path}, planner {settings.planner}, devices {settings.devices or 'auto'}, "
-                   f"caps {rule.gpu_hours:g} h, {rule.max_candidates} candidates, patience {rule.patience}")
 
     def on_trial(trial) -> None:
         seen.add(trial)
