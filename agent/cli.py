@@ -192,14 +192,14 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     result = tune_session(request, say=(lambda text: None) if json_out else _say,
                           warn=lambda text: err.print(f"note: {text}", **PLAIN),
                           lines=None if json_out or tty else sys.stdout, console=out if tty and not json_out else None)
+    if result.outcome.planner_failure:
+        err.print(f"error: {result.outcome.planner_failure}", **PLAIN)
     if json_out:
         _emit_json(result.summary())
     else:
         if result.integration is not None and not isinstance(result.integration, str):
             out.print()
             out.print(render(result.integration))
-        if result.outcome.planner_failure:
-            err.print(f"error: {result.outcome.planner_failure}", **PLAIN)
         _say(f"\nstopped: {result.outcome.stop_reason}. report: {result.report}")
         _say(f"log: {result.run.log_path}")
         _say(f"continue with: agent tune --resume {result.run.path}")

@@ -246,6 +246,13 @@ def _retry_after(e: BaseException | None) -> float | None:
     return None
 
 
+def _check_parsed(response) -> None:
+    """The SDKs hand back a body that is not JSON (a proxy's HTML page) as a plain string."""
+    if isinstance(response, (str, bytes)):
+        snippet = " ".join(str(response)[:120].split())
+        raise MalformedResponse(f"the API answered with a body that is not JSON ({snippet!r})")
+
+
 class AnthropicClient(_SDKClient):
     provider = "anthropic"
 
@@ -259,6 +266,7 @@ class AnthropicClient(_SDKClient):
     def _call(self, system: str, messages: list[dict]) -> tuple[str, int, int, str]:
         r = self._client.messages.create(model=self.model, max_tokens=self.max_tokens, system=system,
                                          messages=messages)
+        _check_parsed(r)
         text = "".join(block.text for block in r.content if block.type == "text")
         return text, r.usage.input_tokens, r.usage.output_tokens, r.model or self.model
 
@@ -280,6 +288,7 @@ class OpenAIClient(_SDKClient):
         limit = {"max_completion_tokens": self.max_tokens} if self.max_tokens else {}
         r = self._client.chat.completions.create(
             model=self.model, messages=[{"role": "system", "content": system}, *messages], **limit)
+        _check_parsed(r)
         text = (r.choices[0].message.content or "") if r.choices else ""
         usage = r.usage
         return (text, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,

@@ -176,7 +176,7 @@ def _stopped_planner(run: RunFolder, on_note: Callable[[str], None]) -> Callable
             store.event("planner_stopped", reason=reason)
         finally:
             store.close()
-        on_note(f"planner stopped: {reason}")
+        on_note(reason)
     return notify
 
 
