@@ -6,6 +6,7 @@ instead of a blank plot when there is nothing to draw yet."""
 from __future__ import annotations
 
 import math
+import re
 from html import escape
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -102,13 +103,18 @@ class _Frame:
                 f'text-anchor="middle" fill="{MUTED}" font-size="14">{escape(text)}</text>')
 
 
+_LONG_COORDINATE = re.compile(r'(?<=[a-z]=")(-?\d+\.\d{3,})(?=")')
+
+
 def _svg(width: int, height: int, title: str, body: list[str]) -> str:
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" role="img" aria-label="{escape(title)}" font-family="{escape(FONT)}" font-size="12">')
-    return "\n".join([head, f"<title>{escape(title)}</title>",
+    text = "\n".join([head, f"<title>{escape(title)}</title>",
                       f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
                       f'<text x="{width / 2}" y="20" text-anchor="middle" fill="{INK}" font-size="14" '
                       f'font-weight="600">{escape(title)}</text>', *body, "</svg>"]) + "\n"
+    # Coordinates to two decimals: 129.32999999999998 is float noise, not precision.
+    return _LONG_COORDINATE.sub(lambda m: f"{float(m.group(1)):.2f}", text)
 
 
 def _legend(names: Sequence[str], width: int, left: int) -> tuple[list[str], int]:
