@@ -78,9 +78,8 @@ class TuneResult:
                 "timing_kind": self.timing_kind, "exit_code": self.exit_code, "log": str(self.run.log_path),
                 "planner_failure": self.outcome.planner_failure or None, "notes": self.notes,
                 "settings": self.settings.model_dump()}
-        if self.integration is not None or self.outcome is not None:
-            data["integration"] = self.integration if self.integration is None or isinstance(self.integration, str) \
-                else integration_summary(self.integration)
+        data["integration"] = self.integration if self.integration is None or isinstance(self.integration, str) \
+            else integration_summary(self.integration)
         return data
 
 
