@@ -102,7 +102,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Profile a model, print its hotspots, and freeze the top regions as problems."""
-    from agent.jobs import profile_and_freeze
+    from agent.jobs import native_stderr_without, profile_and_freeze
     from tools.profiler import render_hotspots, torch_profiler_table
     res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
                              region_tolerance=region_tolerance, coverage=coverage, max_regions=max_regions,
@@ -114,7 +114,9 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
     out.print(render_hotspots(res.result, top=max(0, top)))
     if torch_table:
         from tools.modelfile import load_model
-        out.print(torch_profiler_table(load_model(model, res.result.device), res.result.device, workload))
+        with native_stderr_without("USDT:"):  # torch's profiler chatter on file descriptor 2
+            table = torch_profiler_table(load_model(model, res.result.device), res.result.device, workload)
+        out.print(table)
     for p in res.problems:
         _say(f"froze {p.name} ({p.region_path}, {p.share_of_model:.0%} of time), tolerance {p.tolerance}")
     for name, why in res.skipped.items():

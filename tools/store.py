@@ -11,6 +11,7 @@ naming it, never a traceback and never a silent new store.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -80,9 +81,7 @@ class Store:
             raise StoreError(f"{self.path} is a directory, not a trial store")
         try:
             if readonly:
-                self.db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30,
-                                          check_same_thread=False)
-                self.db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+                self.db = self._open_readonly()
             else:
                 self.db = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
                 self.db.execute("PRAGMA journal_mode=WAL")
@@ -90,6 +89,22 @@ class Store:
                 self.db.executescript(SCHEMA)
         except sqlite3.Error as e:
             raise StoreError(f"{self.path} cannot be opened as a trial store ({e})") from None
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        """A reader's connection. A WAL store in a folder we cannot write (a read-only mount, a
+        copy on a share) cannot get its -shm file; nothing can be writing it there either, so
+        it is read as immutable rather than called damaged."""
+        uri = self.path.resolve().as_uri()
+        try:
+            db = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+            db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.OperationalError:
+            if os.access(self.path.parent, os.W_OK):
+                raise
+        db = sqlite3.connect(f"{uri}?mode=ro&immutable=1", uri=True, timeout=30, check_same_thread=False)
+        db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
+        return db
 
     def check(self) -> None:
         """Raise StoreError unless the whole file reads as a trial store (a truncated or
