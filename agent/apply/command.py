@@ -57,14 +57,15 @@ class ApplyResult:
 
     def lines(self) -> tuple[list[str], list[str]]:
         """(what `agent apply` prints on stdout, the warnings for stderr)."""
-        source = "kept end to end (integration.json)" if self.chosen_by == "integration" else \
+        source = "as integration decided (integration.json)" if self.chosen_by == "integration" else \
             "best kept candidate per region (no integration.json)"
         out = [f"run {self.run_id}: {len(self.regions)} region(s) to apply, {source}"]
         for r in self.regions:
             speed = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
             error = f"{r['error']:.3g}" if r["error"] is not None else "n/a"
             where = f", class from {r['class_module']} (routed at run time)" if r.get("class_module") else ""
-            out.append(f"  {r['region']}: candidate {r['candidate_hash']}, {speed}, error {error} vs "
+            slower = " (not faster: --allow-slower)" if r.get("chosen_by") == "integration-slower" else ""
+            out.append(f"  {r['region']}: candidate {r['candidate_hash']}, {speed}{slower}, error {error} vs "
                        f"{r['tolerance']}{where}")
         out += [f"  {name}: not applied ({why})" for name, why in self.skipped.items()]
         warnings = [f"warning: {w}" for w in self.warnings]
@@ -168,7 +169,8 @@ def apply_run(run_path: Path, regions: list[str] | None = None, dry_run: bool = 
     result.regions = [{"region": p.winner.region, "class": p.winner.region_class,
                        "class_module": p.winner.class_module, "candidate_hash": p.winner.candidate_hash,
                        "forward": p.forward, "speedup": p.winner.speedup, "error": p.winner.error,
-                       "tolerance": p.winner.tolerance, "renamed": p.renames} for p in parts]
+                       "tolerance": p.winner.tolerance, "renamed": p.renames, "chosen_by": p.winner.chosen_by}
+                      for p in parts]
     with open(model, newline="") as f:
         model_text = f.read()
     old, new = patched_lines(model_text, kernels_name, run.run_id, model)

@@ -186,8 +186,9 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
     for part in parts:
         w = part.winner
         timing = "CPU timing" if w.timing in ("", "cpu") else f"timed on {w.timing}"
-        origin = ("kept end to end by integration" if w.chosen_by == "integration"
-                  else "best kept candidate in the run's store")
+        origin = {"integration": "kept end to end by integration",
+                  "integration-slower": "dropped by integration as not faster; applied because of --allow-slower"
+                  }.get(w.chosen_by, "best kept candidate in the run's store")
         how = ", ".join(x for x in (f"planner {w.planner}" if w.planner else "",
                                      f"template {w.template}" if w.template else "") if x)
         renamed = ", ".join(f"{k} -> {v}" for k, v in sorted(part.renames.items()))

@@ -43,7 +43,8 @@ class Winner:
     planner: str = ""
     template: str | None = None
     chosen_by: str = "store"
-    """`integration` (kept end to end) or `store` (best kept candidate; no integration.json)."""
+    """`integration` (kept end to end), `integration-slower` (integration dropped it as not faster;
+    applied because of --allow-slower) or `store` (best kept candidate; no integration.json)."""
     class_module: str | None = None
     """Module the class is defined in when that is not the model file (e.g. transformers'
     `transformers.models.llama.modeling_llama`): routed at run time, never edited."""
@@ -104,9 +105,11 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
             if integration is not None:
                 acc = next((a for a in integration.accepted if a.region == p.name), None)
                 drop = next((d for d in integration.dropped if d.region == p.name), None)
+                origin = "integration"
                 if acc is None and drop is not None and drop.reason.startswith(NOT_FASTER) and allow_slower:
                     rec = history.records.get((p.name, drop.candidate_hash))
                     digest, path, speedup = drop.candidate_hash, "", (rec.score(gens) if rec else None)
+                    origin = "integration-slower"
                 elif acc is None:
                     why = drop.reason if drop is not None else ""
                     hint = "; --allow-slower applies it anyway" if why.startswith(NOT_FASTER) else ""
@@ -124,6 +127,7 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
                                            else "no candidate tried")
                 digest, path, speedup = rec.candidate_hash, "", rec.score(gens) or None
                 planner, template = rec.planner, rec.template
+                origin = "store"
             trials = list(rec.by_generation.values()) if rec is not None else []
             path = path or next((t.candidate_path for t in trials if t.candidate_path), "")
             timing = _timing(trials) if trials else p.device
@@ -138,10 +142,11 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
                 region=p.name, region_class=p.region_class, candidate_hash=digest,
                 source=candidate_source(run, digest, path), speedup=speedup,
                 error=max(errors) if errors else None, tolerance=str(p.tolerance), timing=timing,
-                planner=planner, template=template, chosen_by=chosen_by))
+                planner=planner, template=template, chosen_by=origin))
         except CandidateSkipped as e:
             skipped[p.name] = str(e)
-    if integration is not None and integration.speedup is not None and integration.speedup <= 1.0 and winners:
+    if integration is not None and integration.accepted and integration.speedup is not None \
+            and integration.speedup <= 1.0 and winners:
         kind = "CPU timing" if integration.timing_kind == "cpu" else f"on {integration.generation or integration.device}"
         warnings.append(f"end to end, the tuned model measured {integration.speedup:.2f}x the original's speed "
                         f"({kind}; integration.json): it is not faster as a whole")
