@@ -78,7 +78,7 @@ def fmt_params(params: dict) -> str:
              and isinstance(v, (int, float, str, bool)) and len(str(v)) <= 40}
     parts = [f"{k}={fmt_value(v)}" for k, v in {**tune, **plain}.items()]
     roles = [f"{k}←{fmt_value(v)}" for k, v in binding.items() if isinstance(v, str)]
-    return ", ".join(parts) + (f" (binding {', '.join(roles)})" if roles else "")
+    return "; ".join(x for x in (", ".join(parts), f"binding {', '.join(roles)}" if roles else "") if x)
 
 
 def device_time(gpu_seconds: float, cpu_only: bool) -> str:
