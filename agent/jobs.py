@@ -68,6 +68,12 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
     check_runs_dir(runs_dir)
     with user_code(model):
         loaded = load_model(model, dev, workload=workload)
+    classes = {n for m in loaded.model.modules() for n in (type(m).__name__, type(m).__qualname__)}
+    for flag, names in (("--regions", regions or []), ("--region-tolerance", list(per_region))):
+        unknown = [n for n in names if n not in classes]
+        if unknown:  # said before the profile, not after it
+            raise UserError(f"{flag}: no module class {', '.join(unknown)} in the model "
+                            f"(has: {', '.join(sorted({type(m).__name__ for m in loaded.model.modules()}))})")
     ceilings = get_ceilings(dev)
     run = RunFolder.create(runs_dir, loaded.path)
     try:
@@ -84,6 +90,11 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                     raise UserError(f"--regions: no module class {', '.join(unknown)} in the model "
                                     f"(has: {', '.join(sorted(by_name))})")
                 rows = [by_name[r] for r in regions]
+            known = {r.class_name for r in result.by_class}
+            stray = [name for name in per_region if name not in known]
+            if stray:
+                raise UserError(f"--region-tolerance: no module class {', '.join(stray)} in the model "
+                                f"(has: {', '.join(sorted(known))})")
             choices = [RegionChoice(r.class_name, r.share, tuple(k.name for k in r.top_kernels),
                                     _per_workload_ms(result, r.qualname)) for r in rows]
             with user_code(model):

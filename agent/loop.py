@@ -15,7 +15,8 @@ A planner that raises ends the run with that error as its stop reason, recorded 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -97,15 +98,17 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         started[key] = started.get(key, 0) + 1
         store.event("start", region=c.region, candidate=c.hash, generation=generation)
 
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-planner")
     try:
-        upcoming, prefetched = pool.submit(plan), False
+        upcoming, prefetched = _in_background(plan), False
         while not should_stop():
             if not any(budget.region_open(p.name) for p in problems):
                 budget.stop_reason = budget.stop_reason or "patience: no region improved for a while"
                 break
             try:
-                fresh = _unique(upcoming.result(), history)
+                proposed = _result_unless_stopped(upcoming, should_stop)
+                if proposed is None:  # stopped while a planner (an LLM call, say) was still thinking
+                    break
+                fresh = _unique(proposed, history)
             except PlannerFailed as e:
                 store.event("planner_error", planner=e.planner, error=str(e), detail=e.detail)
                 budget.stop_reason = failure = str(e)
@@ -119,7 +122,7 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                 path = str(run.save_candidate(c.source, c.hash))
                 jobs += [(c, g, path) for g in history.targets(c.region) if not history.done(c.region, c.hash, g)]
             if not jobs and prefetched:  # planned before the last results: ask again with them
-                upcoming, prefetched = pool.submit(plan), False
+                upcoming, prefetched = _in_background(plan), False
                 continue
             if not jobs:
                 stopped, failure = _planner_stops(planner)
@@ -137,13 +140,12 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                     budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
                 on_trial(trial)
                 if upcoming is None and done >= prefetch_at * len(jobs) and done < len(jobs):
-                    upcoming, prefetched = pool.submit(plan), True
+                    upcoming, prefetched = _in_background(plan), True
             history.pending = set()
-            upcoming = upcoming or pool.submit(plan)
+            upcoming = upcoming or _in_background(plan)
             if budget.stop_reason.startswith("GPU-hours"):
                 break
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
         for (region, digest, generation), n in started.items():  # a clean stop cut these short
             for _ in range(n):
                 store.event("cancel", region=region, candidate=digest, generation=generation)
@@ -151,6 +153,30 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         store.close()
     best = {p.name: (b.score(history.targets(p.name)) if (b := history.best(p.name)) else 0.0) for p in problems}
     return Outcome(budget.stop_reason or "interrupted", trials_run, rounds, best, failure)
+
+
+def _in_background(fn: Callable[[], list[Candidate]]) -> Future:
+    """Plan in a daemon thread: a stop (or the end of the process) never waits for a planner
+    that is still waiting on an API."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, which says what it was
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="nightshift-planner").start()
+    return future
+
+
+def _result_unless_stopped(future: Future, should_stop: Callable[[], bool]) -> list[Candidate] | None:
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except FutureTimeout:
+            if should_stop():
+                return None
 
 
 def _give_up_on_interrupted(store, history: History) -> None:

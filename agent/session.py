@@ -142,9 +142,11 @@ def _check_search(settings: TuneSettings) -> None:
     if settings.devices and settings.executor == "local":
         from agent.executors.local import parse_devices
         try:
-            parse_devices(settings.devices)
+            slots, _ = parse_devices(settings.devices)
         except ValueError as e:
-            raise UserError(str(e)) from None
+            raise UserError(f"--devices {settings.devices!r}: {e}") from None
+        if not slots:
+            raise UserError(f"--devices {settings.devices!r}: no device given (cpu, cuda:0, cpu@a,cpu@b, ...)")
 
 
 def _search_and_review(req: TuneRequest, run: RunFolder, lock: RunLock, settings: TuneSettings, notes: list[str],

@@ -149,6 +149,10 @@ BAD = {
     "region-tolerance without a class": (["profile", "--model", TINY, "--region-tolerance", "abs:1"],
                                          "--region-tolerance"),
     "unknown region": (["tune", "--model", TINY, "--regions", "Nope"], "--regions: no module class Nope"),
+    "region-tolerance for an unknown class": (["profile", "--model", TINY, "--region-tolerance", "Nope=abs:1"],
+                                              "--region-tolerance: no module class Nope"),
+    "no device": (["tune", "--model", TINY, "--devices", ","], "--devices ',': no device given"),
+    "malformed device": (["tune", "--model", TINY, "--devices", "cuda:abc"], "--devices 'cuda:abc'"),
     "planner twice": (["tune", "--model", TINY, "--planner", "template,template"], "names a planner twice"),
     "unknown executor": (["tune", "--model", TINY, "--executor", "slurm"], "--executor 'slurm'"),
     "neither model nor resume": (["tune"], "--model"),
@@ -217,3 +221,11 @@ def test_a_garbage_run_json_is_named(command, tiny_run, tmp_path):
     result = agent(*args)
     assert_one_line_error(result, f"{run / 'run.json'} is not a valid run description")
     assert _tree(run) == before
+
+
+def test_a_garbage_integration_json_is_named_by_apply(tiny_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "integration.json").write_text("[1, 2")
+    assert_one_line_error(agent("apply", run), f"{run / 'integration.json'} cannot be read")

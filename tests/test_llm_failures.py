@@ -144,3 +144,33 @@ def test_one_failed_planner_does_not_end_the_others_night(run):
     assert summary["trials"] == 2 and summary["stop_reason"].startswith("candidate cap")
     assert "note: anthropic planner stopped: anthropic claude-sonnet-4-5: HTTP 401" in proc.stderr
     assert "HTTP 401: invalid x-api-key" in (run / "report.md").read_text()
+
+
+def test_sigterm_while_the_llm_is_thinking_stops_at_once(run):
+    """A stop never waits for an API call that may take minutes (a slow or hung server)."""
+    import signal
+    import time
+    from tests.replay_server import delay
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+    env.update({"PYTHONPATH": str(ROOT), "ANTHROPIC_API_KEY": "sk-test-not-real-0000"})
+    with ReplayServer([delay(60)]) as server:
+        proc = subprocess.Popen([sys.executable, "-m", "agent", "tune", "--resume", str(run), "--planner", "anthropic",
+                                 "--base-url", server.url, "--llm-model", MODEL["anthropic"], "--devices", "cpu",
+                                 "--no-integrate"], cwd=run.parent, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not server.requests and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+            assert server.requests, "the planner never asked"
+            time.sleep(0.5)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=30)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 20, f"the stop waited {took:.0f} s for the LLM call"
+    assert "stopped: interrupted (SIGTERM)" in out and "Traceback" not in err

@@ -196,10 +196,19 @@ class RunFolder:
         return RunLock(self.path / LOCK_FILE)
 
     def save_candidate(self, source: str, digest: str) -> Path:
+        """The run's copy of a candidate, by hash. Written whole or not at all (a kill during
+        the write leaves no half file for a resume to run), and rewritten if what is there is
+        not this source."""
         self.candidates_dir.mkdir(exist_ok=True)
         path = self.candidates_dir / f"{digest}.py"
-        if not path.exists():
-            path.write_text(source)
+        try:
+            if path.read_text() == source:
+                return path
+        except (OSError, UnicodeDecodeError):
+            pass
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
         return path
 
 

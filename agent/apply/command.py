@@ -23,9 +23,8 @@ from pathlib import Path
 
 from agent.apply.merge import kernels_module_text
 from agent.apply.patch import model_unchanged, patched_lines, unified_patch
-from agent.apply.winners import Winner, select_winners
+from agent.apply.winners import Winner, load_integration, select_winners
 from agent.errors import UserError
-from tools.e2e import IntegrationResult
 from tools.problem import Problem
 from tools.runfolder import RunFolder
 
@@ -150,7 +149,7 @@ def apply_run(run_path: Path, regions: list[str] | None = None, dry_run: bool = 
     model = model.resolve()
     run.check_store()
     winners, skipped, chosen_by, warnings = select_winners(run, regions, allow_slower)
-    integration = IntegrationResult.load(run.path)
+    integration = load_integration(run)
     kernels_name = f"{model.stem}{KERNELS_SUFFIX}.py"
     kernels_path = model.parent / kernels_name
     patch_path = run.path.resolve() / "patches" / f"{model.stem}.patch"

@@ -80,6 +80,16 @@ def resolve_regions(problems: list[Problem], wanted: list[str] | None, run: RunF
     return chosen
 
 
+def load_integration(run: RunFolder) -> IntegrationResult | None:
+    """integration.json, if integration has run; a file that does not read is named."""
+    try:
+        return IntegrationResult.load(run.path)
+    except (ValueError, OSError) as e:
+        first = " ".join(str(e).split())[:200]
+        raise UserError(f"{run.path / 'integration.json'} cannot be read ({first}): run agent integrate "
+                        f"{run.path} again, or remove the file to apply the store's best candidates") from None
+
+
 def _timing(trials) -> str:
     gens = sorted({t.generation for t in trials})
     cpu = all(t.device.partition(":")[0].partition("@")[0] == "cpu" for t in trials)
@@ -96,7 +106,7 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
         raise UserError(f"{run.path}: the run has no frozen problems")
     chosen = resolve_regions(problems, regions, run)
     history = load_history(run, problems, [])
-    integration = IntegrationResult.load(run.path)
+    integration = load_integration(run)
     chosen_by = "integration" if integration is not None else "store"
     winners, skipped, warnings = [], {}, []
     for p in chosen:
