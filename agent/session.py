@@ -212,6 +212,7 @@ def _search_and_review(req: TuneRequest, run: RunFolder, lock: RunLock, settings
     code = INTERRUPTED if interrupted else SEARCH_FAILED if (outcome.planner_failure or not seen.trials) else 0
     if code == SEARCH_FAILED and not outcome.planner_failure:
         outcome.planner_failure = f"no candidate could be tried ({outcome.stop_reason})"
+    clean_stale_worker_dirs()  # what a tuner killed shortly before this session left
     progress.close(f"stopped: {outcome.stop_reason}. report: {report_path}. continue with: agent tune --resume "
                    f"{run.path}")
     spent = budget.spent if budget else sum(t.gpu_seconds for t in seen.trials)

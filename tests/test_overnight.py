@@ -137,7 +137,7 @@ def test_nohup_keeps_a_hangup_ignored(tmp_path):
     assert len([ln for ln in text.splitlines() if LINE.match(ln)]) == 3  # progress reached nohup.out
 
 
-def test_one_tuner_per_run_and_a_kill_9_is_taken_over(tmp_path, monkeypatch):
+def test_one_tuner_per_run_and_a_kill_9_is_taken_over(tmp_path):
     runs, scratch = tmp_path / "runs", tmp_path / "tmp"
     scratch.mkdir()
     profiled = agent("profile", "--model", TINY, "--runs-dir", runs, "--json")
@@ -162,15 +162,13 @@ def test_one_tuner_per_run_and_a_kill_9_is_taken_over(tmp_path, monkeypatch):
     assert status["state"] == "killed", status
     left = [d for d in scratch.iterdir() if d.name.startswith("nightshift-worker-")]
     assert left, "expected the killed workers' temp folders (this is what a restart cleans up)"
-    from tools.runfolder import clean_stale_worker_dirs
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    assert clean_stale_worker_dirs(min_age_s=0) == len(left)
-    assert not [d for d in scratch.iterdir() if d.name.startswith("nightshift-worker-")]
+    time.sleep(max(0.0, 10.5 - (time.time() - min(d.stat().st_mtime for d in left))))
 
     done = trials_in(run)
     resumed = agent("tune", "--resume", run, "--max-candidates", done + 1, "--no-integrate", "--json",
                     TMPDIR=str(scratch))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"removed {len(left)} sandbox temp folder(s) left by tuners that were killed" in resumed.stderr
     assert "took over the run from a tuner that is no longer running (pid" in resumed.stderr
     assert f"--max-candidates {done + 1} overrides the run's recorded 40" in resumed.stderr
     db = sqlite3.connect(run / "trials.sqlite")
@@ -202,3 +200,20 @@ def test_resume_keeps_the_runs_settings_unless_overridden(tmp_path):
     assert status["stop_rule"]["max_candidates"] == 3 and status["state"] == "finished"
     text = agent("status", run).stdout
     assert "candidates 3 of 3" in text and "finished: candidate cap: 3 candidates tried" in text
+
+
+def test_only_temp_folders_no_process_works_in_are_cleaned(tmp_path, monkeypatch):
+    from tools.runfolder import clean_stale_worker_dirs
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale, busy, young = (tmp_path / f"nightshift-worker-{n}" for n in ("stale", "busy", "young"))
+    for d in (stale, busy, young):
+        d.mkdir()
+    for d in (stale, busy):
+        os.utime(d, (time.time() - 3600, time.time() - 3600))
+    worker = subprocess.Popen(["sleep", "30"], cwd=busy)  # a live worker works in its folder
+    try:
+        assert clean_stale_worker_dirs() == 1
+    finally:
+        worker.kill()
+        worker.wait()
+    assert not stale.exists() and busy.is_dir() and young.is_dir()

@@ -278,11 +278,12 @@ def lock_holder(run: RunFolder) -> tuple[int | None, str]:
     return pid, text
 
 
-def clean_stale_worker_dirs(min_age_s: float = 120.0) -> int:
+def clean_stale_worker_dirs(min_age_s: float = 10.0) -> int:
     """Remove sandbox workers' private temp folders that no live process works in: those a
     killed tuner's workers left behind. A folder is in use while some process has it as its
-    working directory (every worker does); young folders are left alone, since a worker being
-    started has its folder a moment before its process. Returns how many were removed."""
+    working directory (every worker does); folders younger than `min_age_s` are left alone,
+    since a worker being started has its folder a moment (milliseconds) before its process.
+    Returns how many were removed."""
     root = Path(tempfile.gettempdir())
     try:
         dirs = [d for d in root.iterdir() if d.name.startswith(WORKER_DIR_PREFIX) and d.is_dir()
