@@ -53,8 +53,8 @@ def _guard(fn):
             _fail(str(e))
         except ValidationError as e:
             _fail("; ".join(_validation_text(x) for x in e.errors()))
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/signals.py)
+            _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code
             _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
         except sqlite3.Error as e:
@@ -321,8 +321,10 @@ def skill_install(claude: bool = typer.Option(False, "--claude", help="Claude Co
 
 def main(argv: list[str] | None = None) -> None:
     """The `agent` command: a parse error is one `error:` line and exit 2, like any bad input."""
+    from agent.signals import signals_as_interrupts
     try:
-        code = app(args=argv, standalone_mode=False)
+        with signals_as_interrupts():  # SIGTERM and SIGHUP stop any command as Ctrl-C does
+            code = app(args=argv, standalone_mode=False)
     except typer.Abort:
         code = 130
     except typer.TyperException as e:  # click's ClickException: a usage or parameter error

@@ -15,8 +15,6 @@ anything, every planner failed); 130 interrupted.
 
 from __future__ import annotations
 
-import signal
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -28,6 +26,7 @@ from agent.jobs import profile_and_freeze
 from agent.loop import Outcome, load_history
 from agent.progress import Progress
 from agent.settings import SETTINGS_KEY, TuneSettings, recorded, resolve
+from agent.signals import signals_as_interrupts
 from agent.tuning import check_executor, check_planner, run_tune
 from tools.problem import ProblemError
 from tools.runfolder import RunFolder, RunLock, clean_stale_worker_dirs
@@ -81,26 +80,6 @@ class TuneResult:
         data["integration"] = self.integration if self.integration is None or isinstance(self.integration, str) \
             else integration_summary(self.integration)
         return data
-
-
-@contextmanager
-def signals_as_interrupts():
-    """SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does (a hangup stays ignored
-    under nohup)."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        old = signal.getsignal(sig)
-        if not (sig == signal.SIGHUP and old is signal.SIG_IGN):
-            previous[sig] = old
-            signal.signal(sig, interrupt)
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
 def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: None,

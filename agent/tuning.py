@@ -20,13 +20,11 @@ from agent.executors.local import LocalExecutor, parse_devices
 from agent.jobs import check_model_unchanged
 from agent.loop import Outcome, load_history, tune
 from agent.planners import PlannerError, make_planner
+from agent.signals import STOP_SIGNALS
 from sandbox.runner import Limits
 from tools.problem import Problem, StopRule
 from tools.runfolder import RunFolder
 from tools.trial import Trial
-
-STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
-
 
 def _recorder(run: RunFolder) -> Callable[..., None]:
     """Where planners note LLM calls, their cost, and answers that could not be read. Opens

@@ -217,3 +217,23 @@ def test_only_temp_folders_no_process_works_in_are_cleaned(tmp_path, monkeypatch
         worker.kill()
         worker.wait()
     assert not stale.exists() and busy.is_dir() and young.is_dir()
+
+
+def test_sigterm_while_profiling_leaves_no_half_made_run(tmp_path):
+    log = tmp_path / "out.txt"
+    runs = tmp_path / "runs"
+    proc = start(log, "tune", "--model", ROOT / "examples" / "llama.py", "--runs-dir", runs, LLAMA_PRESET="small",
+                 LLAMA_LAYERS="2")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and not (runs.is_dir() and any(runs.iterdir())):
+            time.sleep(0.02)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "Traceback" not in text and "error: interrupted (SIGTERM)" in text, text[-3000:]
+    assert not any(runs.iterdir()), "the half-made run folder was left behind"
