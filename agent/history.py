@@ -4,10 +4,11 @@ A candidate is *kept* only when it passed the tolerance on every target generati
 rank is its smallest speedup over those generations, since a win on one generation can be
 a regression on another.
 
-A (candidate, generation) whose attempts end without a result (a `lost` trial: the worker was
-lost for reasons not the candidate's; or the tuner itself died while the trial ran) is run
-again, but only until `MAX_UNFINISHED` attempts have ended that way: a candidate that kills
-its worker's host, or the tuner, must not stop every resume at the same place.
+A (candidate, generation) whose attempt ends without a result is run again, a bounded number
+of times: a `lost` trial (the worker was lost for reasons not the candidate's) once more
+(`MAX_LOST`); a trial the tuner itself died in (killed, out of memory) until that has happened
+`MAX_TUNER_DEATHS` times. A candidate that kills its worker's host, or the tuner, must not stop
+every resume at the same place.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from dataclasses import dataclass, field
 
 from tools.trial import Status, Trial
 
-MAX_UNFINISHED = 2
-"""Attempts of one (candidate, generation) that may end without a result before it is not run again."""
+MAX_LOST = 2
+"""`lost` trials of one (candidate, generation) before it is not run again."""
+MAX_TUNER_DEATHS = 3
+"""Times the tuner may die during one (candidate, generation) before it is recorded `lost`."""
 
 
 @dataclass
@@ -81,22 +84,19 @@ class History:
         rec.by_generation[trial.generation] = trial
         return rec
 
-    def unfinished(self, region: str, digest: str, generation: str) -> int:
-        """Attempts that ended without a result: lost, or the tuner died while it ran."""
-        key = (region, digest, generation)
-        return self.lost.get(key, 0) + self.interrupted.get(key, 0)
 
     def targets(self, region: str) -> list[str]:
         return self.generations.get(region) or sorted({t.generation for t in self.trials if t.region == region})
 
     def done(self, region: str, digest: str, generation: str) -> bool:
         """Finished on this generation. A trial `lost` with its worker is not a result, and is
-        run again until `MAX_UNFINISHED` attempts have ended without one."""
+        run again until the bounds on such attempts are reached."""
         rec = self.records.get((region, digest))
         trial = rec.by_generation.get(generation) if rec else None
         if trial is not None and trial.status is not Status.lost:
             return True
-        return self.unfinished(region, digest, generation) >= MAX_UNFINISHED
+        key = (region, digest, generation)
+        return self.lost.get(key, 0) >= MAX_LOST or self.interrupted.get(key, 0) >= MAX_TUNER_DEATHS
 
     def tried(self, region: str, digest: str) -> bool:
         """Finished on every target generation, or in flight now."""

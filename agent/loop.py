@@ -7,8 +7,8 @@
 
 Everything the loop needs comes in as arguments; it knows nothing of CLIs, templates or
 workers. Resume is the same loop over a store that already holds trials: finished
-(candidate, generation) pairs are never run again, and one the tuner died in twice (see
-`agent.history.MAX_UNFINISHED`) is recorded `lost` instead of stopping every resume there.
+(candidate, generation) pairs are never run again, and one the tuner died in again and again
+(`agent.history.MAX_TUNER_DEATHS`) is recorded `lost` instead of stopping every resume there.
 A planner that raises ends the run with that error as its stop reason, recorded as such.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from agent.budget import Budget
-from agent.history import MAX_UNFINISHED, History
+from agent.history import MAX_TUNER_DEATHS, History
 from agent.planners import Planner, PlannerFailed
 from tools.problem import Problem
 from tools.runfolder import RunFolder
@@ -180,11 +180,11 @@ def _result_unless_stopped(future: Future, should_stop: Callable[[], bool]) -> l
 
 
 def _give_up_on_interrupted(store, history: History) -> None:
-    """A trial the tuner died in `MAX_UNFINISHED` times is recorded `lost`, with why, and not
+    """A trial the tuner died in `MAX_TUNER_DEATHS` times is recorded `lost`, with why, and not
     run again (it may be what kills the tuner: memory, a hang that the OS ended)."""
     for (region, digest, generation), n in sorted(history.interrupted.items()):
         rec = history.records.get((region, digest))
-        if n < MAX_UNFINISHED or (rec and generation in rec.by_generation):
+        if n < MAX_TUNER_DEATHS or (rec and generation in rec.by_generation):
             continue
         source = rec.by_generation[next(iter(rec.by_generation))] if rec else None
         trial = Trial(region=region, candidate_hash=digest, status=Status.lost, generation=generation,

@@ -393,16 +393,17 @@ def test_stop_rule_rejects_impossible_budgets(field, value, words):
 
 # -- attempts without a result ---------------------------------------------------------------
 def test_a_lost_trial_is_retried_a_bounded_number_of_times():
-    from agent.history import MAX_UNFINISHED
+    from agent.history import MAX_LOST, MAX_TUNER_DEATHS
     history = History({REGION: ["cpu"]})
     history.add(_trial("x", "cpu", Status.lost))
     assert not history.done(REGION, "x", "cpu")  # lost with its worker: not a result, run again
-    for _ in range(MAX_UNFINISHED - 1):
+    for _ in range(MAX_LOST - 1):
         history.add(_trial("x", "cpu", Status.lost))
     assert history.done(REGION, "x", "cpu") and history.tried(REGION, "x")  # and then no more
-    history.interrupted[(REGION, "y", "cpu")] = MAX_UNFINISHED - 1
-    history.add(_trial("y", "cpu", Status.lost))
-    assert history.done(REGION, "y", "cpu")  # a kill of the tuner counts as an attempt too
+    history.interrupted[(REGION, "y", "cpu")] = MAX_TUNER_DEATHS - 1
+    assert not history.done(REGION, "y", "cpu")
+    history.interrupted[(REGION, "y", "cpu")] = MAX_TUNER_DEATHS
+    assert history.done(REGION, "y", "cpu")
 
 
 def _simulate_killed_sessions(run: RunFolder, source: str, times: int) -> None:
@@ -413,16 +414,18 @@ def _simulate_killed_sessions(run: RunFolder, source: str, times: int) -> None:
     store.close()
 
 
-def test_a_trial_the_tuner_died_in_is_run_again_once_then_recorded_lost(run):
+def test_a_trial_the_tuner_died_in_is_run_again_then_recorded_lost(run):
     other = SLOW.replace("{i}", "1")
     _simulate_killed_sessions(run, RIGHT, 1)
     outcome, _, history = run_loop(run, StubPlanner([RIGHT]), StopRule(max_candidates=10, patience=10))
     assert [t.status for t in stored(run)] == [Status.ok]  # interrupted once: simply run again
 
-    _simulate_killed_sessions(run, other, 2)  # killed twice in the same trial: it may be the killer
+    from agent.history import MAX_TUNER_DEATHS
+    _simulate_killed_sessions(run, other, MAX_TUNER_DEATHS)  # killed again and again in it: it may be the killer
     outcome, _, history = run_loop(run, StubPlanner([other, JUST_OUTSIDE]), StopRule(max_candidates=10, patience=10))
     by_hash = {t.candidate_hash: t for t in stored(run)}
-    assert by_hash[h(other)].status is Status.lost and "the tuner stopped 2 times" in by_hash[h(other)].reason
+    assert by_hash[h(other)].status is Status.lost
+    assert f"the tuner stopped {MAX_TUNER_DEATHS} times" in by_hash[h(other)].reason
     assert by_hash[h(JUST_OUTSIDE)].status is Status.wrong  # the search went on past it
     assert outcome.stop_reason == "planners have nothing new to try"
 
