@@ -205,18 +205,22 @@ def test_resume_keeps_the_runs_settings_unless_overridden(tmp_path):
 def test_only_temp_folders_no_process_works_in_are_cleaned(tmp_path, monkeypatch):
     from tools.runfolder import clean_stale_worker_dirs
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    stale, busy, young = (tmp_path / f"nightshift-worker-{n}" for n in ("stale", "busy", "young"))
-    for d in (stale, busy, young):
+    stale, busy, bound, young = (tmp_path / f"nightshift-worker-{n}" for n in ("stale", "busy", "bound", "young"))
+    for d in (stale, busy, bound, young):
         d.mkdir()
-    for d in (stale, busy):
+    for d in (stale, busy, bound):
         os.utime(d, (time.time() - 3600, time.time() - 3600))
-    worker = subprocess.Popen(["sleep", "30"], cwd=busy)  # a live worker works in its folder
+    workers = [subprocess.Popen(["sleep", "30"], cwd=busy),  # a live worker works in its folder
+               # a sandbox that binds the folder elsewhere names it on its command line
+               subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", f"--bind={bound}"])]
     try:
+        time.sleep(0.5)
         assert clean_stale_worker_dirs() == 1
     finally:
-        worker.kill()
-        worker.wait()
-    assert not stale.exists() and busy.is_dir() and young.is_dir()
+        for w in workers:
+            w.kill()
+            w.wait()
+    assert not stale.exists() and busy.is_dir() and bound.is_dir() and young.is_dir()
 
 
 def test_sigterm_while_profiling_leaves_no_half_made_run(tmp_path):

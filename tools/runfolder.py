@@ -279,11 +279,11 @@ def lock_holder(run: RunFolder) -> tuple[int | None, str]:
 
 
 def clean_stale_worker_dirs(min_age_s: float = 10.0) -> int:
-    """Remove sandbox workers' private temp folders that no live process works in: those a
-    killed tuner's workers left behind. A folder is in use while some process has it as its
-    working directory (every worker does); folders younger than `min_age_s` are left alone,
-    since a worker being started has its folder a moment (milliseconds) before its process.
-    Returns how many were removed."""
+    """Remove sandbox workers' private temp folders that no live process uses: those a killed
+    tuner's workers left behind. A folder is in use while some process works in it, has a file
+    open in it or names it on its command line (a sandbox that binds it elsewhere); folders
+    younger than `min_age_s` are left alone, since a worker being started has its folder a
+    moment (milliseconds) before its process. Returns how many were removed."""
     root = Path(tempfile.gettempdir())
     try:
         dirs = [d for d in root.iterdir() if d.name.startswith(WORKER_DIR_PREFIX) and d.is_dir()
@@ -292,14 +292,14 @@ def clean_stale_worker_dirs(min_age_s: float = 10.0) -> int:
         return 0
     if not dirs:
         return 0
-    in_use = _working_dirs()
-    if in_use is None:  # no /proc to ask: only what is surely abandoned
-        min_age_s = max(min_age_s, 86400.0)
-        in_use = set()
+    used = _paths_in_use(str(root))
+    if used is None:  # no /proc to ask: only what is surely abandoned
+        min_age_s, used = max(min_age_s, 86400.0), []
     removed, now = 0, time.time()
     for d in dirs:
         try:
-            if str(d.resolve()) in in_use or now - d.stat().st_mtime < min_age_s:
+            here = str(d.resolve())
+            if any(u == here or u.startswith(here + os.sep) for u in used) or now - d.stat().st_mtime < min_age_s:
                 continue
         except OSError:
             continue
@@ -308,15 +308,31 @@ def clean_stale_worker_dirs(min_age_s: float = 10.0) -> int:
     return removed
 
 
-def _working_dirs() -> set[str] | None:
+def _paths_in_use(under: str) -> list[str] | None:
+    """Paths under `under` that live processes use: working directories, roots, open files and
+    command-line arguments (None where there is no /proc)."""
     proc = Path("/proc")
     if not (proc / "self" / "cwd").exists():
         return None
-    out = set()
+    out = []
     for entry in proc.iterdir():
-        if entry.name.isdigit():
+        if not entry.name.isdigit():
+            continue
+        links = [entry / "cwd", entry / "root"]
+        try:
+            links += list((entry / "fd").iterdir())
+        except OSError:
+            pass
+        for link in links:
             try:
-                out.add(os.readlink(entry / "cwd"))
+                target = os.readlink(link)
             except OSError:
                 continue
-    return out
+            if target.startswith(under):
+                out.append(target)
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        out += [a.decode(errors="replace") for a in args if under.encode() in a]
+    return [a for path in out for a in path.replace("=", " ").replace(":", " ").split() if a.startswith(under)]
