@@ -5,7 +5,6 @@ no slower winner applied unasked, a patched model that runs on a machine without
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from agent import report
 from agent.apply import apply_run
-from tests.test_apply import EXAMPLE, ENV, RMSNORM, git, make_run
+from tests.test_apply import EXAMPLE, ENV, git, make_run
 from tools.e2e import DroppedCandidate, IntegrationResult
 from tools.runfolder import RunFolder
 from tools.trial import Candidate, Status, Trial, WorkloadTiming
@@ -172,7 +171,6 @@ FALLBACK = textwrap.dedent('''
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         new = load_model(sys.argv[2], "cpu", check_forward=False)
-        kernels = sys.modules[type(new.model.norm).forward.__module__.replace("llama", "llama")]
         routed = getattr(type(new.model.norm).forward, "__nightshift_region__", None)
         with torch.no_grad():
             same = [bool(torch.equal(ref.model(*w.inputs), new.model(*w.inputs))) for w in ref.workloads]
