@@ -29,7 +29,7 @@ from agent.settings import SETTINGS_KEY, TuneSettings, recorded, resolve
 from agent.signals import signals_as_interrupts
 from agent.tuning import check_executor, check_planner, run_tune
 from tools.problem import ProblemError
-from tools.runfolder import RunFolder, RunLock, clean_stale_worker_dirs
+from tools.runfolder import RunFolder, clean_stale_worker_dirs
 
 INTERRUPTED = 130
 SEARCH_FAILED = 1
@@ -110,7 +110,7 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
             if lock.took_over:
                 notes.append(f"took over the run from a tuner that is no longer running ({lock.took_over})")
         try:
-            return _search_and_review(req, run, lock, settings, notes, say, warn, lines, console)
+            return _search_and_review(req, run, settings, notes, say, warn, lines, console)
         finally:
             lock.release()
 
@@ -128,8 +128,8 @@ def _check_search(settings: TuneSettings) -> None:
             raise UserError(f"--devices {settings.devices!r}: no device given (cpu, cuda:0, cpu@a,cpu@b, ...)")
 
 
-def _search_and_review(req: TuneRequest, run: RunFolder, lock: RunLock, settings: TuneSettings, notes: list[str],
-                       say, warn, lines, console) -> TuneResult:
+def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings, notes: list[str], say, warn,
+                       lines, console) -> TuneResult:
     run.update_options(**{SETTINGS_KEY: settings.model_dump(), "stop_rule": settings.stop_rule.model_dump()})
     problems = run.problems()
     if not problems:
