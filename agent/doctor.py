@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+
+from sandbox.jail import describe as describe_isolation
 import subprocess
 import sys
 import tempfile
@@ -94,6 +96,9 @@ def run_doctor(refresh: bool = False, *, ceilings: bool = True) -> dict:
                                              f"{triton_check['detail']}"]
     if not any(d.kind != "cpu" for d in devices):
         problems.append("no GPU visible: trials run on the CPU, Triton through its interpreter")
+    isolation = describe_isolation().as_dict()
+    if isolation["kind"] != "bubblewrap":
+        problems.append(f"candidates are not jailed ({isolation['note']}): " + "; ".join(isolation["not_isolated"]))
     return {
         "ok": triton_check["ok"],
         "devices": [d.model_dump() for d in devices],
@@ -101,6 +106,7 @@ def run_doctor(refresh: bool = False, *, ceilings: bool = True) -> dict:
         "triton": triton_check,
         "api_keys": api_keys(),
         "ceilings": measured,
+        "isolation": isolation,
         "problems": problems,
     }
 
@@ -123,6 +129,12 @@ def render_doctor(report: dict) -> Group:
                                     f"({t['mode']}): {escape(t['detail'])}")
     for name, state in report["api_keys"].items():
         checks.add_row(name, state)
+    iso = report.get("isolation") or {}
+    checks.add_row("candidate sandbox", escape(iso.get("kind", "?")))
+    for line in iso.get("isolated", []):
+        checks.add_row("  isolated", escape(line))
+    for line in iso.get("not_isolated", []):
+        checks.add_row("  not isolated", escape(line))
 
     ceilings = Table(title="Measured ceilings (cached)")
     for col in ("device", "copy GB/s", "matmul TFLOP/s", "dtype", "measured at"):

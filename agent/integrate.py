@@ -1,60 +1,90 @@
 """Integration: the search's winners applied to the whole model, checked and timed end to end.
 
-    regions, by expected gain (share of model x (1 - 1/speedup)):
-        for its kept candidates faster than the original, best first (at most 3):
-            the whole model with the accepted set plus this one, run in a sandbox worker
-            within the end-to-end tolerance on every workload?  accept it, next region
-            otherwise: dropped, with the reason; try the next best
-    the final tuned model timed against the untouched one (same worker, interleaved),
-    and torch.compile baselines against eager, when asked
+The whole model is one more problem (`runs/<run>/model/`, region path "", a tolerance per
+workload), and everything here is a candidate for it, run through the same sealed trial path
+as any region (sandbox/runner.py): load, verify, time.
 
-Candidate code runs only in sandbox workers (sandbox/integrator.py); this process holds
-the frozen model outputs (`runs/<run>/model/`) and decides. The result is
-`runs/<run>/integration.json` (tools/e2e.py).
+    regions, by expected gain (share of model x (1 - 1/speedup)):
+        for its kept winners (faster beyond the noise band), best first (at most 3):
+            candidate = the model with the accepted set plus this one routed in
+            verified end to end?  accept it, next region
+            otherwise: dropped, with the trial's reason; try the next best
+    the final tuned model (or the untouched one, when nothing was accepted) timed against
+    the untouched model (A/A noise band included), and torch.compile of the untouched model
+    in each mode when asked, each as a candidate timed the same way
+
+The result is `runs/<run>/integration.json` (tools/e2e.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Callable
 
 from agent.history import CandidateRecord
 from agent.jobs import UserError, resolve_device
 from agent.loop import load_history
-from sandbox.client import Reply, WorkerConfig
-from sandbox.integrate_op import BASELINES
-from sandbox.integrator import IntegrateLimits, Integrator
-from tools.capture import MODEL_DIR, ModelReference
+from agent.prompting import render_code
+from sandbox.client import WorkerConfig
+from sandbox.runner import Limits, TrialRunner
+from tools.capture import MODEL_DIR
 from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
-from tools.integrate import E2ECheck, expected_gain, judge, untouched_drift
 from tools.modelfile import file_sha256
-from tools.problem import Problem, tensor_hash
+from tools.problem import Problem, ProblemError
 from tools.runfolder import RunFolder
+from tools.trial import Candidate, Trial, verdict
 
 MAX_TRIES = 3
 """Kept candidates tried per region, best first."""
-NOT_FASTER = "not faster than the original"
+NOT_FASTER = "not faster than the original beyond the noise band"
+BASELINES: dict[str, str | None] = {"torch.compile": None,
+                                    "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
+                                    "reduce-overhead": "reduce-overhead"}
+"""Baseline name -> torch.compile mode (None: the default mode)."""
 
 
 class IntegrationError(Exception):
     """Integration could not judge the model (one line; the CLI exits 1)."""
 
 
+def expected_gain(share: float, speedup: float | None) -> float:
+    """Fraction of the model's time a region's winner saves: share x (1 - 1/speedup)."""
+    if not speedup or speedup <= 0 or not math.isfinite(speedup):
+        return -math.inf
+    return share * (1.0 - 1.0 / speedup)
+
+
+def routed_candidate(routes: list[tuple[Problem, str]]) -> Candidate:
+    """The whole model with each (region problem, winner source) routed into every instance of
+    the region's class."""
+    source = render_code("kernels/route_model.py.j2",
+                         routes=[{"cls": p.region_class, "source": src} for p, src in routes])
+    return Candidate(region="model", source=source, planner="integrate",
+                     params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
+                                        for p, src in routes}})
+
+
+def compile_candidate(mode: str | None) -> Candidate:
+    return Candidate(region="model", source=render_code("kernels/torch_compile.py.j2", mode=mode, options={}),
+                     planner="torch.compile", template="torch_compile", params={"mode": mode})
+
+
 def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, *,
-              max_tries: int = MAX_TRIES, limits: IntegrateLimits | None = None, memory_gb: float = 8.0,
+              max_tries: int = MAX_TRIES, limits: Limits | None = None, memory_gb: float = 8.0,
               on_note: Callable[[str], None] = lambda note: None) -> IntegrationResult:
     run = run if isinstance(run, RunFolder) else RunFolder.open(Path(run))
     folder = run.path / MODEL_DIR
-    ref = ModelReference.load(folder)
-    if not Path(ref.model_file).is_file():
-        raise UserError(f"{ref.model_file}: the model file of this run is gone")
-    if file_sha256(Path(ref.model_file)) != ref.model_hash:
-        raise UserError(f"{ref.model_file} changed since the run was frozen (hash mismatch): profile again")
-    _, inputs, frozen = ref.load_tensors(folder, state=False)
-    input_hashes = [tensor_hash(s) for s in inputs]
-    out_bytes = [[t.numel() * t.element_size() for t in f["outputs"] if t is not None] for f in frozen]
-    dev = resolve_device(device or ref.device)
+    try:
+        model = Problem.load(folder)
+    except ProblemError as e:
+        raise UserError(f"{e} (this run has no whole-model problem: profile the model again)") from None
+    if not Path(model.model_file).is_file():
+        raise UserError(f"{model.model_file}: the model file of this run is gone")
+    if file_sha256(Path(model.model_file)) != model.model_hash:
+        raise UserError(f"{model.model_file} changed since the run was frozen (hash mismatch): profile again")
+    dev = resolve_device(device or model.device)
     worker_device = "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     notes: list[str] = []
 
@@ -62,12 +92,11 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
         notes.append(text)
         on_note(text)
 
-    if dev.type != ref.device:
-        note(f"the model was frozen on {ref.device} and is integrated on {dev.type}: its reference outputs "
+    if dev.type != model.device:
+        note(f"the model was frozen on {model.device} and is integrated on {dev.type}: its reference outputs "
              "come from another device")
     problems = run.problems()
     history = load_history(run, problems, [])
-    accepted: list[tuple[Problem, CandidateRecord, dict, int]] = []
     dropped: list[DroppedCandidate] = []
     plans = []
     for p in problems:
@@ -76,93 +105,72 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
         if not kept:
             note(f"{p.name}: no candidate passed on every target generation; the original stays")
             continue
-        faster = [r for r in kept if r.score(gens) > 1.0]
-        if not faster:
+        wins = [r for r in kept if all(r.by_generation[g].win for g in gens)]
+        if not wins:
             dropped.append(DroppedCandidate(region=p.name, candidate_hash=kept[0].candidate_hash,
                                             reason=f"{NOT_FASTER} (best kept {kept[0].score(gens):.2f}x)"))
             continue
-        plans.append((expected_gain(p.share_of_model, faster[0].score(gens)), faster[0].score(gens), p, faster, gens))
+        plans.append((expected_gain(p.share_of_model, wins[0].score(gens)), wins[0].score(gens), p, wins, gens))
     plans.sort(key=lambda x: (-x[0], -x[1]))
 
-    integ = Integrator(folder, ref.model_file, worker_device, limits,
-                       WorkerConfig(device=worker_device, memory_gb=memory_gb,
-                                    triton_cache=str(run.path / ".triton-cache")))
-    checked_untouched = False
-
-    def try_set(cands: list[dict], time_it: bool = False) -> tuple[Reply, E2ECheck | None]:
-        nonlocal checked_untouched
-        reply = integ.run(cands, out_bytes, untouched_outputs=not checked_untouched, time_it=time_it)
-        if not reply.ok and reply.header.get("phase") == "untouched":
-            raise IntegrationError(f"the untouched model could not be built and run from {folder} in the sandbox: "
-                                   f"{reply.status}: {_first_line(reply.error)}")
-        if not reply.ok:
-            return reply, None
-        if not checked_untouched:
-            drift = untouched_drift(ref, frozen, reply.tensors["untouched"])
-            if drift:
-                raise IntegrationError(drift)
-            checked_untouched = True
-        return reply, judge(ref, frozen, input_hashes, reply.header, reply.tensors, dev.type)
-
+    lim = limits or Limits(compile_s=900, run_s=900, time_s=600)
+    runner = TrialRunner(worker_device, lim, WorkerConfig(device=worker_device, memory_gb=memory_gb))
+    accepted: list[tuple[Problem, CandidateRecord, str]] = []
     try:
-        for _, _, p, faster, gens in plans:
-            for rec in faster[:max_tries]:
+        runner.add_problem(folder)
+        for _, _, p, wins, gens in plans:
+            for rec in wins[:max_tries]:
                 source, why = _source(run, rec)
                 if source is None:
                     dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash, reason=why))
                     continue
-                cand = {"region_class": p.region_class, "source": source, "hash": rec.candidate_hash}
-                reply, check = try_set([a[2] for a in accepted] + [cand])
-                if check is None:
+                trial = runner.run(routed_candidate([(q, s) for q, _, s in accepted] + [(p, source)]), do_time=False)
+                if trial.status.value != "ok":
                     dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash,
-                                                    reason=f"{reply.status}: {_first_line(reply.error)}"))
+                                                    reason=_end_to_end(trial)))
                     continue
-                if not check.ok:
-                    dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash,
-                                                    reason=check.reason))
-                    continue
-                accepted.append((p, rec, cand, reply.header["routed"].get(p.region_class, 0)))
+                accepted.append((p, rec, source))
                 break
-        reply, check = try_set([a[2] for a in accepted], time_it=True)
-        if check is None:
-            raise IntegrationError(f"the final tuned model could not be timed: {reply.status}: "
-                                   f"{_first_line(reply.error)}")
-        if not check.ok:
-            raise IntegrationError(f"the final tuned model failed when run again: {check.reason}")
-        timings = reply.header["timings"]
-        kind = reply.header.get("timing_kind", "cpu")
-        hello = dict(integ.hello)
-        rows = [WorkloadResult(name=w.name, weight=w.weight, eager_ms=t["eager"]["median_ms"],
-                               tuned_ms=t["tuned"]["median_ms"],
-                               speedup=t["eager"]["median_ms"] / max(t["tuned"]["median_ms"], 1e-12),
-                               error=check.errors.get(w.name), tolerance=str(w.tolerance))
-                for w, t in zip(ref.workloads, timings)]
+        final = runner.run(routed_candidate([(q, s) for q, _, s in accepted]))
+        if final.status.value != "ok":
+            raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
+        if not accepted:
+            note("nothing was applied: the table times the untouched model against itself (A/A)")
+        rows = [WorkloadResult(name=t.workload, weight=w.weight, eager_ms=t.baseline_ms, tuned_ms=t.candidate_ms,
+                               speedup=t.speedup, noise_band=t.noise_band, verdict=t.verdict,
+                               error=final.workload_errors.get(w.name), tolerance=str(model.tolerance_for(i)))
+                for i, (w, t) in enumerate(zip(model.workloads, final.timings))]
         errors: dict[str, str] = {}
         if baselines:
-            for name in BASELINES:
-                b = integ.baseline(name)
-                got = b.header.get("baselines", {}).get(name) if b.ok else None
-                if got is None:
-                    errors[name] = (b.header.get("baseline_errors", {}).get(name) if b.ok else None) or \
-                        f"{b.status}: {_first_line(b.error)}"
-                for i, row in enumerate(rows):
-                    t = got["timings"][i] if got else None
-                    row.baselines[name] = t["compiled"]["median_ms"] if t else None
-                    row.baseline_speedups[name] = (t["eager"]["median_ms"] / max(t["compiled"]["median_ms"], 1e-12)
-                                                   if t else None)
+            for name, mode in BASELINES.items():
+                runner.worker.kill()  # each mode compiles in a fresh worker
+                b = runner.run(compile_candidate(mode))
+                if b.status.value != "ok":
+                    errors[name] = f"{b.status.value}: {b.reason}"
+                for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
+                    row.baselines[name] = t.candidate_ms if t else None
+                    row.baseline_speedups[name] = t.speedup if t else None
         elif dev.type == "cpu":
             note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
+        hello = dict(runner.worker.hello or runner.reference.hello)
     finally:
-        integ.close()
+        runner.close()
     result = IntegrationResult(
         device=worker_device, device_name=hello.get("device_name", ""), generation=hello.get("generation", ""),
-        timing_kind=kind, workloads=rows, dropped=dropped, baseline_errors=errors, notes=notes,
+        timing_kind=final.timings[0].timing_kind if final.timings else "cpu", workloads=rows, dropped=dropped,
+        baseline_errors=errors, notes=notes, noise_band=final.noise_band,
         accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
                                  candidate_path=str(_path(run, rec)), planner=rec.planner, template=rec.template,
-                                 region_speedup=rec.score(history.targets(p.name)), instances=n)
-                  for p, rec, _, n in accepted])
+                                 region_speedup=rec.score(history.targets(p.name)), instances=len(p.instances))
+                  for p, rec, _ in accepted])
     result.save(run.path)
     return result
+
+
+def _end_to_end(trial: Trial) -> str:
+    if trial.status.value == "wrong":
+        return f"end-to-end {trial.reason}"
+    return f"{trial.status.value}: {trial.reason}"
 
 
 def _path(run: RunFolder, rec: CandidateRecord) -> Path:
@@ -190,18 +198,20 @@ def _first_line(text: str) -> str:
 
 
 def render(result: IntegrationResult, console_width: int | None = None):
-    """The end-to-end table for the terminal (rich): per workload eager, tuned, speedup,
-    baselines, and the error against the end-to-end tolerance; then what was kept and dropped."""
+    """The end-to-end table for the terminal (rich): per workload eager, tuned, speedup (or "no
+    change" inside the noise band), baselines, and the error against the end-to-end tolerance;
+    then what was kept and dropped."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
     kind = "CPU timings, not GPU numbers" if result.timing_kind == "cpu" else f"GPU timings, {result.device_name}"
     names = [n for n in BASELINES if any(n in w.baselines for w in result.workloads)]
     table = Table(title=f"end to end ({kind})", title_justify="left")
-    for col in ("workload", "eager ms", "tuned ms", "speedup", *[f"{n} ms" for n in names], "error / tolerance"):
+    for col in ("workload", "eager ms", "tuned ms", "speedup", "noise band", *[f"{n} ms" for n in names],
+                "error / tolerance"):
         table.add_column(col, justify="left" if col in ("workload", "error / tolerance") else "right")
     for w in result.workloads:
-        cells = [w.name, f"{w.eager_ms:.4f}", _ms(w.tuned_ms), f"{w.speedup:.2f}x" if w.speedup else "-"]
+        cells = [w.name, f"{w.eager_ms:.4f}", _ms(w.tuned_ms), _verdict(w), f"±{w.noise_band:.1%}"]
         for n in names:
             ms, sp = w.baselines.get(n), w.baseline_speedups.get(n)
             cells.append("failed" if ms is None else f"{ms:.4f} ({sp:.2f}x)" if sp else f"{ms:.4f}")
@@ -209,7 +219,9 @@ def render(result: IntegrationResult, console_width: int | None = None):
         table.add_row(*cells)
     lines = [table]
     if result.speedup:
-        lines.append(Text(f"weighted end-to-end speedup {result.speedup:.2f}x"
+        band = result.noise_band or 0.0
+        said = "no change" if verdict(result.speedup, band) == "no change" else f"{result.speedup:.2f}x"
+        lines.append(Text(f"weighted end-to-end: {said} (noise band ±{band:.1%})"
                           + (" (CPU timing)" if result.timing_kind == "cpu" else "")))
     for a in result.accepted:
         lines.append(Text(f"applied {a.region}: {a.candidate_hash} ({a.template or a.planner}, region "
@@ -223,13 +235,19 @@ def render(result: IntegrationResult, console_width: int | None = None):
     return Group(*lines)
 
 
+def _verdict(w: WorkloadResult) -> str:
+    if not w.speedup:
+        return "-"
+    return "no change" if w.verdict == "no change" else f"{w.speedup:.2f}x"
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
 def summary(result: IntegrationResult) -> dict:
     """What `agent tune --json` prints about integration."""
-    return {"speedup": result.speedup, "timing_kind": result.timing_kind,
+    return {"speedup": result.speedup, "noise_band": result.noise_band, "timing_kind": result.timing_kind,
             "accepted": [a.region for a in result.accepted],
             "dropped": [{"region": d.region, "candidate": d.candidate_hash, "reason": d.reason}
                         for d in result.dropped],

@@ -21,7 +21,7 @@ from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
 from tools.problem import Problem, StopRule, Tolerance
-from tools.profiler import ProfileResult, profile_model, select_regions
+from tools.profiler import ProfileResult, plan_regions, profile_model, select_regions
 from tools.runfolder import RunFolder, RunInfo, check_runs_dir
 from tools.trial import Candidate, Trial
 
@@ -102,6 +102,10 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                                          per_region=per_region, stop_rule=stop_rule, targets=targets,
                                          device_name=result.device_name, ceilings=ceilings.model_dump())
             skipped = {s.class_name: s.reason for s in skips}
+            if not problems:  # issue 14: say why for every class the profile saw, not an empty list
+                skipped.update({v.class_name: f"not chosen: {v.reason}"
+                                for v in plan_regions(result, coverage, max_regions)
+                                if not v.chosen and v.class_name not in skipped})
             try:  # the whole model's end-to-end reference, for integration
                 with user_code(model):
                     freeze_model(loaded, run.path / MODEL_DIR, dev, e2e_tol, device_name=result.device_name)

@@ -32,3 +32,22 @@ def _llm_environment() -> jinja2.Environment:
 
 def render_prompt(name: str, **context) -> str:
     return _llm_environment().get_template(name).render(**context)
+
+
+def _py_literal(value) -> str:
+    if isinstance(value, jinja2.Undefined):
+        value._fail_with_undefined_error()
+    return repr(value)
+
+
+@cache
+def _code_environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(prompts_dir()), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env.filters["py"] = _py_literal
+    return env
+
+
+def render_code(name: str, **context) -> str:
+    """A generated candidate file from `prompts/kernels/<name>` (values go in as Python literals)."""
+    return _code_environment().get_template(name).render(**context)

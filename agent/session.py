@@ -222,7 +222,8 @@ def cuda_run(run: RunFolder) -> bool:
     try:
         import torch
 
-        from tools.capture import MODEL_DIR, ModelReference
-        return ModelReference.load(run.path / MODEL_DIR).device == "cuda" and torch.cuda.is_available()
+        from tools.capture import MODEL_DIR
+        from tools.problem import Problem
+        return Problem.load(run.path / MODEL_DIR).device == "cuda" and torch.cuda.is_available()
     except Exception:
         return False

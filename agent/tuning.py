@@ -100,8 +100,8 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
                 "reference outputs come from another device")
     if executor is None:
         executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems],
-                                 limits or Limits(budget_ms=150), triton_cache=str(run.path / ".triton-cache"),
-                                 memory_gb=memory_gb, workers_per_device=workers_per_gpu)
+                                 limits or Limits(budget_ms=150), memory_gb=memory_gb,
+                                 workers_per_device=workers_per_gpu)
     history = load_history(run, problems, executor.generations)
     budget = Budget(stop_rule, spent_seconds=sum(t.gpu_seconds for t in history.trials),
                     candidates_tried=len(history.records))

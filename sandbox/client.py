@@ -1,13 +1,16 @@
-"""The parent's handle on one sandbox worker: start it, ask it things, kill it.
+"""The parent's handle on one sandbox worker: start it (jailed, see sandbox/jail.py), ask it
+things, kill it and everything it started.
 
 Failures are values: every request returns a `Reply`, and a dead or hung worker becomes a
-reply with status `crash` or `timeout` (after which the handle has killed the process group
-and will start a fresh worker on the next request).
+reply with status `crash` or `timeout` (after which the handle has killed the worker and will
+start a fresh one on the next request). A reply is a claim: it must echo the request's nonce
+(a frame forged ahead of time cannot), and the caller checks what it says.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandbox import protocol
+from sandbox import jail, protocol
 from sandbox.isolation import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,13 +46,18 @@ class Reply:
 class WorkerConfig:
     device: str = "cpu"
     """`cpu` or `cuda:N` (N is the index as the tuner sees it)."""
+    role: str = "candidate"
+    """`candidate` (runs candidate code) or `reference` (never does: baselines and references)."""
     start_timeout: float = 120.0
     memory_gb: float = 8.0
     """Address-space cap for CPU workers."""
     gpu_memory_fraction: float = 0.9
-    triton_cache: str | None = None
     interpret: bool | None = None
     """Run Triton through its interpreter (default: when the device is the CPU)."""
+    hide: list[str] = field(default_factory=list)
+    """Folders the worker must never see (the run folder): hidden by the jail."""
+    model_files: list[str] = field(default_factory=list)
+    """Model files the worker imports: their folders stay visible, read-only."""
 
 
 class Worker:
@@ -58,8 +66,10 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.hello: dict[str, Any] = {}
-        self.workdir: str | None = None
+        self.tmpdir: str | None = None
         self.starts = 0
+        self.isolation: dict[str, Any] = {}
+        self.marker = ""
 
     @property
     def alive(self) -> bool:
@@ -69,22 +79,36 @@ class Worker:
         self.kill()
         cfg = self.config
         kind, _, index = cfg.device.partition(":")
-        self.workdir = tempfile.mkdtemp(prefix="nightshift-worker-")
-        env = worker_env(dict(os.environ), self.workdir, _physical(index or "0") if kind == "cuda" else None)
+        # The tuner's side of the worker's files (its log). Inside the jail the worker has a
+        # tmpfs of its own; without a jail this folder is its working folder too.
+        self.tmpdir = tempfile.mkdtemp(prefix="nightshift-worker-")
+        cmd = [sys.executable, "-m", "sandbox.worker", "--parent", str(os.getpid()), "--device", kind,
+               "--role", cfg.role, "--memory-gb", str(cfg.memory_gb),
+               "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)]
+        argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
+                                      model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda")
+        self.isolation = iso.as_dict()
+        workdir = inside or self.tmpdir
+        env = worker_env(dict(os.environ), workdir, _physical(index or "0") if kind == "cuda" else None)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         if cfg.interpret if cfg.interpret is not None else kind == "cpu":
             env["TRITON_INTERPRET"] = "1"
-        if cfg.triton_cache:
-            env["TRITON_CACHE_DIR"] = cfg.triton_cache
+        env.pop("TRITON_CACHE_DIR", None)  # a cache shared between workers could be poisoned
+        self.marker = secrets.token_hex(8)
+        env["NIGHTSHIFT_WORKER"] = self.marker
         parent_sock, child_sock = socket.socketpair()
-        cmd = [sys.executable, "-m", "sandbox.worker", "--fd", str(child_sock.fileno()),
-               "--parent", str(os.getpid()), "--device", kind, "--memory-gb", str(cfg.memory_gb),
-               "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)]
+        argv = argv + ["--fd", str(child_sock.fileno())] + (["--jailed"] if inside else [])
         t0 = time.monotonic()
-        log = open(os.path.join(self.workdir, "stdout.log"), "wb")
-        self.proc = _SPAWNER.submit(subprocess.Popen, cmd, env=env, cwd=self.workdir,
-                                    pass_fds=(child_sock.fileno(),), start_new_session=True,
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT).result()
+        log = open(os.path.join(self.tmpdir, "stdout.log"), "wb")
+        try:
+            self.proc = _SPAWNER.submit(subprocess.Popen, argv, env=env, cwd=self.tmpdir,
+                                        pass_fds=(child_sock.fileno(),), start_new_session=True,
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT).result()
+        except OSError as e:
+            log.close()
+            child_sock.close()
+            parent_sock.close()
+            return Reply(False, status="crash", error=f"worker could not be started: {e}")
         log.close()
         child_sock.close()
         self.sock = parent_sock
@@ -92,42 +116,69 @@ class Worker:
         try:
             self.hello, _ = protocol.recv(self.sock, cfg.start_timeout)
         except (protocol.ChannelTimeout, protocol.ChannelClosed) as e:
-            log = self.log_tail()
+            tail = self.log_tail()
             self.kill()
-            return Reply(False, status="crash", error=f"worker did not start: {e}\n{log}")
+            return Reply(False, status="crash", error=f"worker did not start: {e}\n{tail}")
         if not self.hello.get("ok"):
+            tail = self.log_tail()
             self.kill()
-            return Reply(False, status="crash", error=self.hello.get("error", "worker refused to start"))
+            return Reply(False, status="crash", error=f"{self.hello.get('error', 'worker refused to start')}\n{tail}")
+        self.hello["isolation"] = {**self.hello.get("isolation", {}), "jail": self.isolation}
         return Reply(True, self.hello, seconds=time.monotonic() - t0)
 
-    def request(self, header: dict[str, Any], tensors: Any = None, timeout: float = 60.0) -> Reply:
+    def request(self, header: dict[str, Any], tensors: Any = None, timeout: float = 60.0,
+                fds: list[int] | None = None) -> Reply:
         """Send one request and wait for its answer; a dead or silent worker is killed."""
         if not self.alive:
             started = self.start()
             if not started.ok:
                 return started
+        nonce = secrets.token_hex(8)
         t0 = time.monotonic()
         try:
-            protocol.send(self.sock, header, tensors)
+            protocol.send(self.sock, {**header, "nonce": nonce}, tensors, fds=fds)
             head, payload = protocol.recv(self.sock, timeout)
         except protocol.ChannelTimeout:
             self.kill()
             return Reply(False, status="timeout", error=f"no answer to {header.get('op')!r} within {timeout:.0f} s",
                          seconds=time.monotonic() - t0)
         except protocol.ChannelClosed as e:
+            tail = self.log_tail()  # read before the kill below removes the log
             code = self._reap()
             return Reply(False, status="crash", error=f"worker died during {header.get('op')!r}: {_exit_text(code)}"
-                         f" ({e})\n{self.log_tail()}", seconds=time.monotonic() - t0)
+                         f" ({e})\n{tail}", seconds=time.monotonic() - t0)
         seconds = time.monotonic() - t0
+        if head.get("nonce") != nonce:
+            self.kill()
+            return Reply(False, status="suspicious", error=f"the reply to {header.get('op')!r} does not answer the "
+                         "request (a frame written to the worker's socket by someone else)", seconds=seconds)
         if not head.get("ok"):
             if head.get("fatal"):
                 self._reap()
             return Reply(False, head, payload, head.get("status", "crash"), head.get("error", ""), seconds)
         return Reply(True, head, payload, seconds=seconds)
 
+    def members(self) -> set[int]:
+        """Host pids of every process that belongs to this worker: its jail's pid namespace, or,
+        without a jail, every process carrying its marker in the environment."""
+        if self.proc is None:
+            return set()
+        if self.isolation.get("kind") == "bubblewrap":
+            ns = _pid_namespace(self.proc.pid)
+            return {pid for pid in _pids() if ns and _readlink(f"/proc/{pid}/ns/pid") == ns}
+        mark = f"NIGHTSHIFT_WORKER={self.marker}".encode()
+        out = set()
+        for pid in _pids():
+            try:
+                if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    out.add(pid)
+            except OSError:
+                pass
+        return out
+
     def log_tail(self, n: int = 2000) -> str:
         try:
-            return Path(self.workdir, "stdout.log").read_bytes()[-n:].decode(errors="replace")
+            return Path(self.tmpdir, "stdout.log").read_bytes()[-n:].decode(errors="replace")
         except (OSError, TypeError):
             return ""
 
@@ -142,11 +193,20 @@ class Worker:
         return code
 
     def kill(self) -> None:
+        """The worker and every process it started: the jail's pid namespace dies with its
+        first process; without a jail, the worker's process group and every process that
+        carries its marker (a candidate's setsid grandchildren)."""
         if self.proc is not None:
+            stray = self.members() if self.isolation.get("kind") != "bubblewrap" else set()
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            for pid in stray - {os.getpid()}:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -155,9 +215,9 @@ class Worker:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-        if self.workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.workdir = None
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
 
     def close(self) -> None:
         if self.alive:
@@ -167,6 +227,35 @@ class Worker:
             except (protocol.ChannelClosed, subprocess.TimeoutExpired):
                 pass
         self.kill()
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def _pid_namespace(outer: int) -> str:
+    """The pid namespace bubblewrap made: the one its first child lives in."""
+    own = _readlink(f"/proc/{outer}/ns/pid")
+    for pid in _pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and int(fields[1]) == outer:
+            ns = _readlink(f"/proc/{pid}/ns/pid")
+            if ns and ns != own:
+                return ns
+    return ""
 
 
 def _physical(index: str) -> str:

@@ -21,7 +21,7 @@ CLONE_NEWNET = 0x40000000
 ENV_ALLOW = re.compile(
     r"^(PATH|LANG|LC_[A-Z]+|TZ|PYTHONPATH|PYTHONHASHSEED|LD_LIBRARY_PATH|CUDA_HOME|CUDA_PATH|"
     r"ROCM_PATH|HIP_PATH|TRITON_[A-Z_]+|NCCL_[A-Z_]+|TORCH_[A-Z_]+|NVSHMEM_[A-Z_]+|"
-    r"OMP_NUM_THREADS|MKL_NUM_THREADS|OPENBLAS_[A-Z_]+|NVIDIA_[A-Z_]+)$")
+    r"OMP_NUM_THREADS|MKL_NUM_THREADS|OPENBLAS_[A-Z_]+|NVIDIA_[A-Z_]+|NIGHTSHIFT_WORKER)$")
 SECRET_HINT = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
@@ -48,6 +48,22 @@ def die_with_parent(parent_pid: int) -> str:
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
     return "on"
+
+
+def drop_privileges(uid: int = 65534, gid: int = 65534) -> str:
+    """Inside the jail, before any candidate code: a root worker becomes `nobody` with no
+    capabilities left (setuid from root clears them); any other user stays who it is."""
+    if os.geteuid() != 0:
+        return f"unprivileged user (uid {os.geteuid()})"
+    try:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    except OSError as e:
+        return f"still root: could not drop privileges ({e})"
+    if os.geteuid() == 0 or os.getuid() == 0:
+        return "still root: setuid did not take"
+    return f"unprivileged user nobody (uid {uid}), no capabilities"
 
 
 def limit_resources(memory_bytes: int | None, max_file_bytes: int = 4 << 30) -> dict[str, str]:

@@ -4,12 +4,19 @@ Each frame is a JSON header plus an optional blob of tensors written with `torch
 Nothing crossing the wire is unpickled with the general pickle: the parent reads tensors
 with `torch.load(weights_only=True)`, so a worker taken over by candidate code can send
 wrong numbers (which verification rejects) but cannot run code in the tuner.
+
+Every request carries a fresh random `nonce` that its reply must echo: a frame that
+candidate code writes to the worker's socket ahead of time cannot know it, so a forged
+reply is a broken channel, not an answer (sandbox/client.py). Files (frozen inputs and
+state) travel as open file descriptors after a frame whose header counts them (`fds`), so a
+jailed worker reads them without seeing the folder they live in.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import select
 import socket
 import struct
@@ -30,7 +37,9 @@ class ChannelTimeout(Exception):
     """No complete frame arrived in time."""
 
 
-def send(sock: socket.socket, header: dict[str, Any], tensors: Any = None) -> None:
+def send(sock: socket.socket, header: dict[str, Any], tensors: Any = None, fds: list[int] | None = None) -> None:
+    if fds:
+        header = {**header, "fds": len(fds)}
     body = json.dumps(header).encode()
     blob = b""
     if tensors is not None:
@@ -39,6 +48,8 @@ def send(sock: socket.socket, header: dict[str, Any], tensors: Any = None) -> No
         blob = buf.getvalue()
     try:
         sock.sendall(_HEADER.pack(len(body), len(blob)) + body + blob)
+        if fds:
+            socket.send_fds(sock, [b"F"], fds)
     except (BrokenPipeError, ConnectionResetError, OSError) as e:
         raise ChannelClosed(str(e)) from None
 
@@ -61,8 +72,9 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def recv(sock: socket.socket, timeout: float | None = None) -> tuple[dict[str, Any], Any]:
-    """One frame: (header, tensors or None). Raises ChannelTimeout or ChannelClosed."""
+def recv(sock: socket.socket, timeout: float | None = None, accept_fds: bool = False) -> tuple[dict[str, Any], Any]:
+    """One frame: (header, tensors or None). Raises ChannelTimeout or ChannelClosed. File
+    descriptors that follow a frame land in header["_fds"] where `accept_fds` (the worker's side)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     n_body, n_blob = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if n_body > MAX_FRAME or n_blob > MAX_FRAME:
@@ -80,4 +92,14 @@ def recv(sock: socket.socket, timeout: float | None = None) -> tuple[dict[str, A
             tensors = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
         except Exception as e:  # a worker that sends non-tensor objects is not trusted further
             raise ChannelClosed(f"unloadable tensor payload: {type(e).__name__}: {e}") from None
+    if isinstance(header.get("fds"), int) and 0 < header["fds"] <= 64:
+        try:
+            _, fds, _, _ = socket.recv_fds(sock, 1, header["fds"])
+        except OSError as e:
+            raise ChannelClosed(f"file descriptors did not arrive: {e}") from None
+        if not accept_fds:  # the tuner takes no files from a worker
+            for fd in fds:
+                os.close(fd)
+            raise ChannelClosed("the worker sent file descriptors")
+        header["_fds"] = list(fds)
     return header, tensors

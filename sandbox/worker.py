@@ -1,31 +1,24 @@
-"""The sandbox worker: the only process where candidate code runs.
+"""The sandbox workers: the only processes where candidate code runs, and the reference
+workers, which never run any.
 
-Started by `sandbox.client.Worker` as `python -m sandbox.worker`, pinned to one device. It
-answers requests over a socket (see `protocol`): register a problem, load a candidate,
-run it for verification, time it against the original region, release it.
+Started by `sandbox.client.Worker` as `python -m sandbox.worker --role ...`, pinned to one
+device, inside the jail of `sandbox/jail.py` where the machine allows one. Both roles register
+problems (the region rebuilt from the model file and the frozen state, which arrive as file
+descriptors) and answer requests over a socket (`protocol`):
 
-What is isolated:
-- the tuner: separate process in its own process group, killed by the parent's death
-  (PR_SET_PDEATHSIG); every message it sends is JSON plus tensors loaded with
-  `weights_only=True`, so it cannot run code in the tuner;
-- secrets: the environment is rebuilt from an allow-list (no API keys, no tokens);
-- the network: an empty network namespace where the OS allows one (reported in `hello`);
-- resources: no core dumps, capped file size, capped address space on CPU workers, a GPU
-  memory fraction on GPU workers; timeouts and crashes are handled by the parent, which
-  kills the process group and starts a fresh worker.
+- a *reference* worker runs only the original region: the outputs for fresh inputs and for
+  perturbed parameters (`refs`), and timed runs of the original (`batch`), including empty
+  runs that measure the harness's own cost. The tuner trusts these numbers, so this process
+  never imports candidate code (`load` is refused);
+- a *candidate* worker imports one candidate at a time (`load`), runs the verification calls
+  (`verify`, then `verify_outputs` ships what they returned), and runs timed batches whose
+  outputs the tuner samples afterwards (`batch`, `kept`).
 
-What is NOT isolated, said plainly:
-- the filesystem: the worker runs as the same user in a private temporary directory, but
-  can read what that user can, including the run folder's frozen reference outputs. That
-  is why the parent also checks fresh random inputs that exist only in memory;
-- the worker's own memory: candidate code can patch torch or this module. We snapshot the
-  identity of torch's and the harness's functions before any candidate and flag changes,
-  and the parent cross-checks reported times with its wall clock, but a determined
-  adversary with code execution here could still lie about timings. Integration therefore
-  re-times the winners end to end in a fresh worker (sandbox/integrate_op.py);
-- the GPU: sibling workers on the same device take turns through the executor's device
-  lock for verification and timing, but their imports and first (compiling) calls may
-  overlap another worker's timing; nothing stops a candidate from using the whole device.
+What the candidate can reach is said in sandbox/jail.py. What it can do inside its own process
+is anything: patch torch, this module, the timer. So nothing it reports is taken on trust:
+outputs are judged by the tuner against references this process never holds; the baseline is
+timed in the reference worker; a candidate batch's claimed time is bounded by the tuner's
+clock; the integrity snapshot (sandbox/integrity.py) is a second line that names the tampering.
 """
 
 from __future__ import annotations
@@ -41,11 +34,16 @@ import time
 import traceback
 from typing import Any, Callable
 
-from sandbox import isolation, protocol
-from sandbox.worker_tensors import describe, fill_uninitialized, host, identical, plain, plain_tensor, tensors_map
+from sandbox import integrity, isolation, protocol
+from sandbox import worker_tensors as T
 
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "CUDA error", "misaligned address", "CUBLAS_STATUS_EXECUTION_FAILED", "HIP error")
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::rsqrt",
+               "aten::pow.Tensor_Scalar", "aten::mean.dim", "aten::_softmax", "aten::silu", "aten::gelu",
+               "aten::native_layer_norm", "aten::convolution", "aten::_scaled_dot_product_flash_attention",
+               "aten::_scaled_dot_product_efficient_attention", "aten::scaled_dot_product_attention",
+               "aten::cat", "aten::mul.Tensor", "aten::add.Tensor", "aten::sum.dim_IntList")
 
 
 class Failure(Exception):
@@ -69,73 +67,160 @@ def classify(exc: BaseException, phase: str) -> Failure:
     return Failure("runtime_error", text)
 
 
-def integrity_snapshot(classes: list[type]) -> dict[str, int]:
-    """Identity of every function a candidate could patch to fake a result or a timing."""
-    import torch
-    import torch.nn.functional as F
-    from tools import timing
-    spaces = {"torch": torch, "F": F, "Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase,
-              "Module": torch.nn.Module, "cuda": torch.cuda, "VF": torch._C._VariableFunctions,
-              "nn": torch._C._nn, "timing": timing, "time": time}
-    spaces.update({f"{c.__module__}.{c.__qualname__}": c for c in classes})
-    snap = {}
-    for label, space in spaces.items():
-        raw = getattr(space, "__dict__", None)
-        # The raw namespace where there is one: bound methods are new objects on every access.
-        names = dict(raw) if raw is not None else {n: getattr(space, n, None) for n in dir(space)
-                                                  if not n.startswith("__")}
-        for name, value in names.items():
-            if not name.startswith("__") or name in ("__call__", "__init__", "__getattr__"):
-                snap[f"{label}.{name}"] = id(value)
-    return snap
-
-
 class Worker:
-    def __init__(self, sock: socket.socket, device_kind: str):
+    def __init__(self, sock: socket.socket, device_kind: str, role: str):
         import torch
-        self.torch = torch
-        self.sock = sock
+        from tools.timing import CudaClock
+        self.torch, self.sock, self.role = torch, sock, role
         self.device = torch.device("cuda:0" if device_kind == "cuda" else "cpu")
+        self.clock = CudaClock(self.device) if self.device.type == "cuda" else None
         self.problems: dict[str, dict] = {}
         self.candidate: dict | None = None
         self.candidates_run = 0
         self.workdir = os.getcwd()
-        self.snapshot: dict[str, int] = {}
-        self.region_classes: set[type] = set()
+        self.snapshot: dict[str, Any] = {}
+        self.classes: list[type] = []
         self.verified: tuple | None = None
         """What the last verification runs saw, until `op_verify_outputs` sends it."""
-        self.integration: dict | None = None
-        """The model and candidate set the `integrate` op holds (see sandbox/integrate_op.py)."""
+        self.kept: list = []
+        """Output copies of the last candidate batch, until the tuner picks its sample."""
 
-    # -- requests ----------------------------------------------------------------------
-    def op_problem(self, req: dict, tensors: Any) -> tuple[dict, Any]:
-        """Register a problem; run the original region on the parent's fresh inputs."""
+    # -- both roles ----------------------------------------------------------------------
+    def op_problem(self, req: dict, _: Any) -> tuple[dict, Any]:
+        """Register a problem: the region rebuilt from the model file and the frozen state."""
         torch = self.torch
-        from tools.region import build_region, call_args
+        from tools.region import build_region
         if self.candidates_run:
-            return {"ok": False, "error": "worker has run candidate code; fresh references need a fresh worker"}, None
-        state = torch.load(req["state_path"], weights_only=True, map_location="cpu")
-        inputs = torch.load(req["inputs_path"], weights_only=True, map_location="cpu")
-        region = build_region(req["model_file"], req["region_path"], state, self.device)
-        cls = type(region)
-        p = {"region": region, "forward": cls.forward, "inputs": inputs, "fresh": tensors["fresh"]}
-        self.problems[req["name"]] = p
-        fresh_ref = []
-        with torch.no_grad():
-            for s in p["fresh"]:
-                args, kwargs = call_args(s, self.device)
-                fresh_ref.append(plain(p["forward"](region, *args, **kwargs)))
-        self.region_classes |= {type(m) for m in region.modules()}
-        self.snapshot = integrity_snapshot(sorted(self.region_classes, key=lambda c: c.__qualname__))
-        return {"ok": True}, {"fresh_ref": fresh_ref}
+            return {"ok": False, "error": "this worker has run candidate code; problems need a fresh worker"}, None
+        fds = req.get("_fds") or []
+        if len(fds) != 3:
+            return {"ok": False, "error": "expected the inputs, state and model files"}, None
+        with os.fdopen(fds[0], "rb") as f:
+            inputs = torch.load(f, weights_only=True, map_location="cpu")
+        with os.fdopen(fds[1], "rb") as f:
+            state = torch.load(f, weights_only=True, map_location="cpu")
+        with os.fdopen(fds[2], "rb") as f:
+            model_source = f.read()
+        os.environ.update({k: str(v) for k, v in (req.get("env") or {}).items()})
+        region = build_region(self._model_copy(req["model_file"], model_source), req["region_path"], state,
+                              self.device)
+        del state
+        self.problems[req["name"]] = {"region": region, "forward": type(region).forward, "inputs": inputs}
+        header: dict[str, Any] = {"ok": True}
+        payload = None
+        if self.role == "reference":
+            header["effects"], payload = self._original_effects(self.problems[req["name"]])
+        self.classes = sorted({type(m) for p in self.problems.values() for m in p["region"].modules()},
+                              key=lambda c: f"{c.__module__}.{c.__qualname__}")
+        self.snapshot = integrity.snapshot(self.classes, list(COMPUTE_OPS))
+        return header, payload
 
+    def op_batch(self, req: dict, _: Any) -> tuple[dict, Any]:
+        """Timed repetitions on fresh inputs drawn from frozen set `set` with `seed`: the
+        original (reference worker), nothing (`empty`, reference worker) or the candidate."""
+        from tools.timing import run_batch
+        p = self.problems[req["problem"]] if self.role == "reference" else self._loaded()[1]
+        base_args, base_kwargs = self._device_set(p, req["set"])
+        seed = int(req["seed"])
+        make = lambda j: T.vary_set(base_args, base_kwargs, seed + 1000003 * j)  # noqa: E731
+        copy_out: Callable | None = None
+        if req.get("empty"):
+            call = None
+        elif self.role == "reference" or req.get("control"):
+            # `control`: the original in the candidate's worker, against the reference worker's
+            # runs of it: the A/A ratio across the two processes (a noise band, never a result).
+            region, fwd = p["region"], p["forward"]
+            call = lambda a: fwd(region, *a[0], **a[1])  # noqa: E731
+        else:
+            fwd, module = self.candidate["forward"], self.candidate["module"]
+            # The same call path as the original's above: a wrapper here would be timed as the candidate's.
+            call = lambda a: fwd(module, *a[0], **a[1])  # noqa: E731
+            copy_out = self._copy_outputs
+        self.kept = []
+        with self.torch.no_grad():
+            try:
+                got = run_batch(call, make, int(req["reps"]), self.device, self.clock, lead_ms=float(req.get("lead_ms", 0)),
+                                copy_out=copy_out, pad_bytes=int(req.get("pad_bytes", 0)), seed=seed,
+                                key_len=int(req.get("key_len", 1)))
+            except Failure:
+                raise
+            except BaseException as e:
+                raise classify(e, "run")
+        kept = got.pop("kept")
+        self.kept = kept if copy_out is not None else []
+        # No integrity check here: a timed run's request is bounded by the tuner's clock against an
+        # empty run of the reference worker, so it must do the same work and nothing more.
+        return {**got, "timing_kind": "cuda" if self.clock else "cpu"}, None
+
+    def op_integrity(self, req: dict, _: Any) -> tuple[dict, Any]:
+        return {"tampered": integrity.changed(self.snapshot, self.classes, list(COMPUTE_OPS))}, None
+
+    # -- reference role ------------------------------------------------------------------
+    def op_refs(self, req: dict, _: Any) -> tuple[dict, Any]:
+        """The original's outputs on fresh inputs ({set, seed}) and, with `perturb`, on a frozen
+        set with the region's parameters moved by `perturbed(seed)`."""
+        if self.role != "reference":
+            return {"ok": False, "error": "refs are computed by the reference worker only"}, None
+        from tools.region import flatten
+        p = self.problems[req["problem"]]
+        region, fwd = p["region"], p["forward"]
+        out = {"fresh": [], "perturbed": None}
+        with self.torch.no_grad():
+            for item in req.get("fresh", []):
+                args, kwargs = T.vary_set(*self._device_set(p, item["set"]), int(item["seed"]))
+                out["fresh"].append([None if t is None else T.plain_tensor(t) for t in flatten(fwd(region, *args, **kwargs))[0]])
+            if req.get("perturb"):
+                spec = req["perturb"]
+                moved = T.perturbed(region, int(spec["seed"]))
+                args, kwargs = self._device_set(p, spec["set"])
+                out["perturbed"] = [None if t is None else T.plain_tensor(t)
+                                    for t in flatten(fwd(moved, *args, **kwargs))[0]]
+                del moved
+        self._sync()
+        return {}, out
+
+    def _original_effects(self, p: dict) -> tuple[dict, Any]:
+        """What the original does besides returning: which input sets it changes in place (those
+        post-call inputs come back, to be compared like outputs) and which outputs share memory
+        with its inputs or parameters (a candidate may do the same there, nowhere else)."""
+        from tools.problem import tensor_hash
+        from tools.region import flatten
+        region, fwd = p["region"], p["forward"]
+        mutated, post, aliases, outputs = [], [], [], []
+        param_spans = T.spans_of(list(T.tensors_map(region).values()))
+        earlier: list = []  # the last call's outputs, alive: does the original hand out one buffer twice?
+        with self.torch.no_grad():
+            for i in range(len(p["inputs"])):
+                args, kwargs = self._device_set(p, i)
+                before = tensor_hash(T.host({"args": args, "kwargs": kwargs}))
+                in_spans = T.spans_of([args, kwargs])
+                leaves, _ = flatten(fwd(region, *args, **kwargs))
+                self._sync()
+                old = T.spans_of(earlier)
+                aliases.append([{"input": isinstance(t, self.torch.Tensor) and T.shares_memory(t, in_spans),
+                                 "param": isinstance(t, self.torch.Tensor) and T.shares_memory(t, param_spans),
+                                 "earlier": isinstance(t, self.torch.Tensor) and T.shares_memory(t, old)}
+                                for t in leaves])
+                earlier = [t for t in leaves if isinstance(t, self.torch.Tensor)]
+                outputs.append([None if t is None else T.plain_tensor(t) for t in leaves])
+                seen = T.host({"args": args, "kwargs": kwargs})
+                changed = tensor_hash(seen) != before
+                mutated.append(changed)
+                post.append(seen if changed else None)
+        return {"mutates_inputs": mutated, "aliases": aliases}, {"outputs": outputs, "post_inputs": post}
+
+    # -- candidate role ------------------------------------------------------------------
     def op_load(self, req: dict, _: Any) -> tuple[dict, Any]:
+        if self.role != "candidate":
+            return {"ok": False, "error": "the reference worker never runs candidate code"}, None
         self.release()
         self.candidates_run += 1
         p = self.problems[req["problem"]]
         path = os.path.join(self.workdir, f"candidate_{req['hash']}.py")
-        with open(path, "w") as f:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
             f.write(req["source"])  # Triton reads kernel source through inspect, so it needs a file
+        os.replace(tmp, path)
         t0 = time.perf_counter()
         try:
             spec = importlib.util.spec_from_file_location(f"candidate_{req['hash']}", path)
@@ -150,85 +235,68 @@ class Worker:
             raise classify(e, "load")
         module = copy.deepcopy(p["region"])
         self.candidate = {"forward": fwd, "module": module, "problem": req["problem"]}
-        # First call compiles the Triton kernels; it has the compile timeout, not the run one.
-        from tools.region import call_args
-        args, kwargs = call_args(p["inputs"][0], self.device)
-        self._call(lambda: fwd(module, *args, **kwargs), "warm")
+        # First calls compile (Triton, torch.compile) once per input shape: under the compile
+        # timeout, before any verification or timing.
+        for i in range(len(p["inputs"])):
+            args, kwargs = self._device_set(p, i)
+            self._call(lambda: fwd(module, *args, **kwargs), "warm")
         self._sync()
-        return {"ok": True, "compile_s": time.perf_counter() - t0}, None
+        return {"ok": True, "compile_s": time.perf_counter() - t0,
+                "tampered": integrity.changed(self.snapshot, self.classes, list(COMPUTE_OPS))}, None
 
     def op_verify(self, req: dict, _: Any) -> tuple[dict, Any]:
-        """The verification runs, on the device (the parent holds the device lock meanwhile).
-        Outputs and inputs are copied to host memory here; hashing them and sending them are
-        CPU work left to `op_verify_outputs`, after the lock is released."""
-        torch = self.torch
-        from tools.region import call_args, flatten
-        c, p = self.candidate, self.problems[self.candidate["problem"]]
-        fwd, module = c["forward"], c["module"]
-        runs: dict[str, list] = {"a": [], "b": [], "fresh": []}
-        meta, seen_inputs, seen_fresh = [], [], []
-        sizes = req.get("output_bytes") or [[] for _ in p["inputs"]]
-        for key, sets in (("a", p["inputs"]), ("b", p["inputs"]), ("fresh", p["fresh"])):
-            for i, s in enumerate(sets):
-                args, kwargs = call_args(s, self.device)
-                poison = key == "a"
-                self._poison(float("nan") if poison else 7777.0, sizes[i % len(sizes)])
-                with fill_uninitialized(torch, poison):
-                    out = self._call(lambda: fwd(module, *args, **kwargs), "run")
-                    # Copied on the current stream at once: work left on a side stream is a race here.
-                    leaves, structure = flatten(out)
-                    snap = [t.clone() if isinstance(t, torch.Tensor) else None for t in leaves]
-                self._sync()
-                runs[key].append([None if t is None else plain_tensor(t) for t in snap])
-                if key == "a":
-                    meta.append({"structure": structure, "outputs": [describe(t) for t in leaves]})
-                # The inputs as the candidate left them (hashed later: an in-place write shows).
-                (seen_inputs if key != "fresh" else seen_fresh).append(host({"args": args, "kwargs": kwargs}))
-                del out, leaves, snap  # freed before the next poisoning, not after the next call
-        orig, now = tensors_map(p["region"]), tensors_map(module)
-        changed = [n for n in orig if n not in now or not torch.equal(now[n], orig[n])]
-        self.verified = ({"meta": meta, "params_changed": changed}, runs, seen_inputs, seen_fresh)
-        return {}, None
+        from sandbox import verify_runs
+        return verify_runs.run(self, req)
 
     def op_verify_outputs(self, req: dict, _: Any) -> tuple[dict, Any]:
-        """What the last `op_verify` saw, for the parent to judge: outputs, input hashes, tampering."""
-        from tools.problem import tensor_hash
-        if self.verified is None:
-            return {"ok": False, "error": "no verification to report"}, None
-        header, runs, seen_inputs, seen_fresh = self.verified
-        self.verified = None
-        # A second run bit-identical to the first (the usual case) is not sent again: the parent
-        # judges the first, and only runs that differ need their own comparison.
-        same = [i for i, (a, b) in enumerate(zip(runs["a"], runs["b"])) if identical(a, b)]
-        runs["b"] = [None if i in same else b for i, b in enumerate(runs["b"])]
-        return ({**header, "input_hashes": [tensor_hash(x) for x in seen_inputs], "b_same": same,
-                 "fresh_input_hashes": [tensor_hash(x) for x in seen_fresh], "tampered": self._tampered()}, runs)
+        from sandbox import verify_runs
+        return verify_runs.outputs(self)
 
-    def op_time(self, req: dict, _: Any) -> tuple[dict, Any]:
-        torch = self.torch
+    def op_kept(self, req: dict, _: Any) -> tuple[dict, Any]:
+        """The output copies of the last batch's repetitions the tuner picked, then none."""
+        picked = []
+        for i in req.get("indices", []):
+            got = self.kept[i] if isinstance(i, int) and 0 <= i < len(self.kept) else None
+            picked.append(None if got is None else [None if t is None else T.plain_tensor(t) for t in got[0]])
+        meta = [None if not (isinstance(i, int) and 0 <= i < len(self.kept)) else self.kept[i][1]
+                for i in req.get("indices", [])]
+        self.kept = []
+        return {"meta": meta}, {"outputs": picked}
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _model_copy(self, original: str, source: bytes) -> str:
+        """The model file as the tuner sent it, written into this worker's own folder (its folder
+        may not be readable here); the original folder, where visible, serves sibling imports."""
+        import hashlib
+        folder = os.path.join(self.workdir, "model-" + hashlib.sha256(source).hexdigest()[:16])
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, os.path.basename(original))
+        if not os.path.exists(path):
+            with open(path + ".tmp", "wb") as f:
+                f.write(source)
+            os.replace(path + ".tmp", path)
+        parent = os.path.dirname(original)
+        if os.access(parent, os.R_OK | os.X_OK) and parent not in sys.path:
+            sys.path.append(parent)
+        return path
+
+    def _loaded(self) -> tuple[dict, dict]:
+        if self.candidate is None:
+            raise Failure("crash", "no candidate is loaded")
+        return self.candidate, self.problems[self.candidate["problem"]]
+
+    def _device_set(self, p: dict, i: int) -> tuple[list, dict]:
         from tools.region import call_args
-        from tools.timing import time_pair
-        c, p = self.candidate, self.problems[self.candidate["problem"]]
-        fwd, module, orig, region = c["forward"], c["module"], p["forward"], p["region"]
-        out = []
-        for i in req["sets"]:
-            a_args, a_kw = call_args(p["inputs"][i], self.device)
-            b_args, b_kw = call_args(p["inputs"][i], self.device)
-            with torch.no_grad():
-                base, cand = time_pair(lambda: orig(region, *a_args, **a_kw),
-                                       lambda: self._call(lambda: fwd(module, *b_args, **b_kw), "run"),
-                                       self.device, budget_ms=req.get("budget_ms", 400.0),
-                                       max_reps=req.get("max_reps", 200))
-            out.append({"set": i, "baseline": _stats_dict(base), "candidate": _stats_dict(cand)})
-        return {"timings": out, "tampered": self._tampered(),
-                "timing_kind": "cuda" if self.device.type == "cuda" else "cpu"}, None
+        return call_args(p["inputs"][i], self.device)
 
-    def op_integrate(self, req: dict, tensors: Any) -> tuple[dict, Any]:
-        """The whole model with winners routed in: run, time, baselines (sandbox/integrate_op.py)."""
-        from sandbox import integrate_op
-        return integrate_op.handle(self, req, tensors)
+    def _copy_outputs(self, out: Any) -> tuple[list, dict]:
+        """Stream-ordered private copies of an output, and what it looked like, right after the
+        call's end event: what the tuner later checks is what the call had produced."""
+        from tools.region import flatten
+        leaves, structure = flatten(out)
+        copies = [T.snap(t) if T.is_plain(t) else None for t in leaves]
+        return copies, {"structure": structure, "outputs": [T.describe(t) for t in leaves]}
 
-    # -- helpers -----------------------------------------------------------------------
     def _call(self, fn: Callable[[], Any], phase: str) -> Any:
         try:
             with self.torch.no_grad():
@@ -245,61 +313,44 @@ class Worker:
             except BaseException as e:
                 raise classify(e, "run")
 
-    def _poison(self, value: float, sizes: list[int]) -> None:
-        """Fill freed memory so outputs never written keep this value, not old data: blocks
-        of each output's size are filled and freed, so the allocator hands them out next."""
-        torch = self.torch
-        blocks = [torch.full((max(1, n // 4),), value, dtype=torch.float32, device=self.device)
-                  for n in sizes for _ in range(4)]
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            blocks.append(torch.full((min(free // 4, 1 << 30) // 4,), value, dtype=torch.float32, device=self.device))
-        del blocks
-
-    def _tampered(self) -> list[str]:
-        now = integrity_snapshot(sorted(self.region_classes, key=lambda c: c.__qualname__))
-        return sorted(k for k, v in self.snapshot.items() if now.get(k) != v)[:20]
-
     def release(self) -> None:
-        self.candidate, self.verified = None, None
+        self.candidate, self.verified, self.kept = None, None, []
         gc.collect()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
 
     def serve(self) -> None:
         handlers = {"problem": self.op_problem, "load": self.op_load, "verify": self.op_verify,
-                    "verify_outputs": self.op_verify_outputs, "time": self.op_time, "integrate": self.op_integrate}
+                    "verify_outputs": self.op_verify_outputs, "batch": self.op_batch, "kept": self.op_kept,
+                    "refs": self.op_refs, "integrity": self.op_integrity}
         while True:
             try:
-                req, tensors = protocol.recv(self.sock)
+                req, tensors = protocol.recv(self.sock, accept_fds=True)
             except protocol.ChannelClosed:
                 return
-            op = req.get("op")
+            op, nonce = req.get("op"), req.get("nonce")
             if op == "exit":
                 return
             if op == "release":
                 self.release()
-                protocol.send(self.sock, {"ok": True})
+                protocol.send(self.sock, {"ok": True, "nonce": nonce})
                 continue
             try:
+                if op not in handlers:
+                    raise Failure("crash", f"unknown request {op!r}")
                 header, payload = handlers[op](req, tensors)
-            except Failure as f:
-                protocol.send(self.sock, {"ok": False, "status": f.status, "error": f.error, "fatal": f.fatal})
+            except BaseException as e:
+                f = e if isinstance(e, Failure) else classify(e, "run")
+                protocol.send(self.sock, {"ok": False, "status": f.status, "error": f.error, "fatal": f.fatal,
+                                          "nonce": nonce})
                 if f.fatal:
                     os._exit(3)  # a sticky device error spoils the process: the parent starts a new one
                 continue
-            except BaseException as e:
-                f = classify(e, "run")
-                protocol.send(self.sock, {"ok": False, "status": f.status, "error": f.error, "fatal": f.fatal})
-                if f.fatal:
-                    os._exit(3)
-                continue
-            protocol.send(self.sock, {"ok": True, **header} if "ok" not in header else header, payload)
-
-
-def _stats_dict(s) -> dict:
-    return {"median_ms": s.median_ms, "p20_ms": s.p20_ms, "p80_ms": s.p80_ms, "reps": s.reps,
-            "hidden_ms": s.hidden_ms, "spread": s.spread}
+            try:
+                protocol.send(self.sock, {"ok": True, **header, "nonce": nonce}, payload)
+            except (TypeError, ValueError) as e:  # an answer that cannot be encoded is a failure
+                protocol.send(self.sock, {"ok": False, "status": "crash", "error": f"unsendable reply: {e}",
+                                          "nonce": nonce})
 
 
 def main() -> None:
@@ -307,15 +358,28 @@ def main() -> None:
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--role", choices=["candidate", "reference"], default="candidate")
+    ap.add_argument("--jailed", action="store_true")
     ap.add_argument("--memory-gb", type=float, default=0)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     args = ap.parse_args()
-    report = {"parent_death": isolation.die_with_parent(args.parent), "network": isolation.drop_network()}
+    report = {"parent_death": "bubblewrap (--die-with-parent)" if args.jailed else isolation.die_with_parent(args.parent),
+              "user": isolation.drop_privileges() if args.jailed else "same user as the tuner",
+              "network": "empty namespace (bubblewrap)" if args.jailed else isolation.drop_network()}
     mem = int(args.memory_gb * (1 << 30)) if args.memory_gb and args.device == "cpu" else None
     report["limits"] = isolation.limit_resources(mem)
     sock = socket.socket(fileno=args.fd)
     import torch
-    hello = {"op": "hello", "pid": os.getpid(), "isolation": report, "device": args.device,
+    # Imported before any integrity snapshot: importing them wraps torch functions (dynamo wraps
+    # manual_seed), and the harness itself triggers dynamo's import (use_deterministic_algorithms).
+    import torch._dynamo  # noqa: F401
+    import torch.utils.deterministic  # noqa: F401
+    try:  # what torch.compile installs on its first compile (it wraps Module.__init__), installed now
+        from torch._dynamo.mutation_guard import install_generation_tagging_init
+        install_generation_tagging_init()
+    except ImportError:
+        pass
+    hello = {"op": "hello", "pid": os.getpid(), "isolation": report, "device": args.device, "role": args.role,
              "torch": torch.__version__}
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -325,14 +389,18 @@ def main() -> None:
         props = torch.cuda.get_device_properties(0)
         hello.update(device_name=props.name, generation=f"sm{props.major}{props.minor}")
     else:
+        # One thread: two workers (candidate and reference) share the cores, and an OpenMP barrier
+        # waiting on a preempted thread turns a 0.04 ms call into a 7 ms one at random.
+        torch.set_num_threads(1)
         hello.update(device_name="cpu", generation="cpu")
     try:
         import triton
         hello["triton"] = triton.__version__
     except Exception as e:
         hello["triton"] = f"unavailable ({e})"
+    worker = Worker(sock, args.device, args.role)
     protocol.send(sock, {**hello, "ok": True})
-    Worker(sock, args.device).serve()
+    worker.serve()
     sys.stdout.flush()
     os._exit(0)
 

@@ -1,10 +1,22 @@
-"""Tensors in the sandbox worker: host copies for the wire, what an output looks like, whether
-two runs agree bit for bit, and the fill that makes unwritten outputs visible."""
+"""Tensors in the sandbox workers: host copies for the wire, snapshots a candidate cannot
+override, what an output looks like (type, layout, memory it shares), fresh inputs and
+perturbed parameters drawn from a seed, and the fill that makes unwritten outputs visible.
+
+Fresh inputs and perturbed parameters are functions of (frozen tensor, seed) computed on the
+CPU in float64, so the reference worker and a candidate worker given the same seed build the
+same tensors bit for bit, and the tuner never has to ship them.
+"""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
+
+JITTER = 2.0 ** -6
+"""Relative jitter of fresh float inputs: a new value everywhere, the same distribution."""
+PERTURB = 0.25
+"""Size of a parameter perturbation, relative to the parameter's own spread."""
 
 
 class fill_uninitialized:
@@ -48,24 +60,82 @@ class fill_uninitialized:
             self.mode.__exit__(*exc)
 
 
-def plain(out: Any) -> list:
-    from tools.region import flatten
-    leaves, _ = flatten(out)
-    return [None if t is None else plain_tensor(t) for t in leaves]
+# -- what an output is --------------------------------------------------------------------
+def is_plain(t: Any) -> bool:
+    """A plain torch.Tensor: not a subclass, no Python dispatch, no per-object attribute that
+    shadows a Tensor method or property (torch.compile's own annotations are fine)."""
+    import torch
+    if type(t) is not torch.Tensor:
+        return False
+    try:
+        keys = str(torch._C._dispatch_keys(t))
+    except Exception:
+        keys = ""
+    return "Python" not in keys and not any(hasattr(torch.Tensor, k) for k in t.__dict__)
 
 
+def snap(t: Any) -> Any:
+    """A private copy of a tensor's contents, taken through the dispatcher directly (no Tensor
+    method that a candidate could override on one object), dense and contiguous."""
+    import torch
+    return torch.ops.aten.clone.default(t.detach(), memory_format=torch.contiguous_format)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    import torch
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if not a.numel():
+        return True
+    x = torch.ops.aten.clone.default(a, memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+    y = torch.ops.aten.clone.default(b, memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+    return bool(torch.ops.aten.equal.default(x, y))
+
+
+def span(t: Any) -> tuple[int, int]:
+    """(start, end) of the memory a tensor's storage covers."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+def shares_memory(t: Any, spans: list[tuple[int, int]]) -> bool:
+    a, b = span(t)
+    return a != b and any(a < e and s < b for s, e in spans)
+
+
+def spans_of(obj: Any) -> list[tuple[int, int]]:
+    return [span(t) for t in tensors(obj) if t.numel()]
+
+
+def tensors(obj: Any):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors(v)
+
+
+def describe(t: Any) -> dict:
+    import torch
+    if t is None:
+        return {"kind": "none"}
+    if not isinstance(t, torch.Tensor):
+        return {"kind": type(t).__name__}
+    if not is_plain(t):
+        return {"kind": f"{type(t).__name__} (not a plain torch.Tensor)"}
+    return {"kind": "tensor", "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+            "device": t.device.type, "stride": list(t.stride()), "requires_grad": bool(t.requires_grad)}
+
+
+# -- the wire -----------------------------------------------------------------------------
 def plain_tensor(t: Any) -> Any:
-    """A plain CPU tensor for the wire (subclasses are reported in the metadata, not sent)."""
+    """A plain CPU tensor for the wire."""
     import torch
-    return t.detach().as_subclass(torch.Tensor).contiguous().cpu()
-
-
-def identical(a: list, b: list) -> bool:
-    import torch
-    return len(a) == len(b) and all(
-        (x is None and y is None) or (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-                                      and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
-        for x, y in zip(a, b))
+    return torch.ops.aten._to_copy.default(t.detach(), device=torch.device("cpu")).contiguous()
 
 
 def host(x: Any) -> Any:
@@ -80,15 +150,75 @@ def host(x: Any) -> Any:
     return x
 
 
-def describe(t: Any) -> dict:
+def identical(a: list, b: list) -> bool:
     import torch
-    if t is None:
-        return {"kind": "none"}
-    if type(t) is not torch.Tensor:
-        return {"kind": type(t).__name__}
-    return {"kind": "tensor", "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-            "device": t.device.type, "stride": list(t.stride())}
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                                      and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y))
+        for x, y in zip(a, b))
 
 
 def tensors_map(m) -> dict:
     return dict(list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)))
+
+
+# -- drawn from a seed --------------------------------------------------------------------
+def _gen(seed: int):
+    import torch
+    return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+
+
+def vary(x: Any, seed: int) -> Any:
+    """A fresh input shaped, laid out and placed like `x`: the frozen values rolled by a random
+    offset (every element moves; the distribution, signs, zeros, infinities and integer ranges
+    stay), floats also jittered by about 1.6%. Booleans (masks) are kept. Made on x's device,
+    in new memory; the same seed on the same device gives the same tensor in any process."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        out = torch.empty_like(x)
+        if x.dtype == torch.bool or x.numel() < 2:
+            out.copy_(x)
+            return out
+        g = _gen(seed)
+        shift = int(torch.randint(1, x.numel(), (1,), generator=g))
+        rolled = x.reshape(-1).roll(shift)
+        if x.is_floating_point():
+            dg = torch.Generator(device=x.device).manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=g)))
+            noise = torch.randn(rolled.shape, generator=dg, device=x.device, dtype=torch.float32)
+            rolled = (rolled.float() * noise.mul_(JITTER).add_(1.0)).to(x.dtype)
+        out.copy_(rolled.view(x.shape))
+        return out
+    if isinstance(x, dict):
+        return {k: vary(v, seed + 7919 * (i + 1)) for i, (k, v) in enumerate(x.items())}
+    if isinstance(x, (list, tuple)):
+        return type(x)(vary(v, seed + 104729 * (i + 1)) for i, v in enumerate(x))
+    return x
+
+
+def vary_set(args: list, kwargs: dict, seed: int) -> tuple[list, dict]:
+    """(args, kwargs) of a fresh input set drawn from a frozen one already on the device."""
+    return vary(list(args), seed), vary(dict(kwargs), seed ^ 0x5DEECE66D)
+
+
+def perturbed(module: Any, seed: int) -> Any:
+    """A copy of `module` whose floating parameters and buffers are moved at random: positive
+    tensors (norm scales, variances) multiplied by exp(N(0, 0.25)), others shifted by
+    0.25 x their spread (1 for a constant tensor, so an all-zero bias becomes one). A candidate
+    that ignores a parameter, or assumes it is one or zero, computes something else here."""
+    import torch
+    copy_ = copy.deepcopy(module)
+    g = _gen(seed)
+    with torch.no_grad():
+        for i, (name, t) in enumerate(sorted(tensors_map(copy_).items())):
+            if not t.is_floating_point() or not t.numel():
+                continue
+            base = t.detach().to("cpu", torch.float64)
+            noise = torch.randn(base.shape, generator=g, dtype=torch.float64)
+            if bool((base > 0).all()):
+                new = base * torch.exp(PERTURB * noise)
+            else:
+                spread = float(base.std()) if base.numel() > 1 else 0.0
+                spread = spread or float(base.abs().mean()) or 1.0
+                new = base + PERTURB * spread * noise
+            t.copy_(new.to(t.dtype))
+    return copy_

@@ -49,6 +49,7 @@ def make_run(dest: Path, problems: Path) -> tuple[Path, Path]:
     shutil.copy(EXAMPLE, model)
     run = dest / "runs" / "llama-test"
     shutil.copytree(problems, run / "problems")
+    shutil.copy(problems.parent / "seal.json", run / "seal.json")  # the frozen files' seal goes along
     folder = RunFolder(run)
     folder.write_info(RunInfo(run_id=run.name, model_file=str(model), model_hash=file_sha256(model), device="cpu"))
     _record(folder, "LlamaRMSNorm", RMSNORM + "\n# a slower variant\n", Status.ok, 1.2)

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from agent.apply import apply_run  # noqa: E402
 from tests.test_apply import git  # noqa: E402
 from tools.modelfile import file_sha256  # noqa: E402
+from tools import seal  # noqa: E402
 from tools.problem import Problem, Tolerance, Workload  # noqa: E402
 from tools.runfolder import RunFolder, RunInfo  # noqa: E402
 from tools.trial import Candidate, Status, Trial  # noqa: E402
@@ -88,6 +89,7 @@ def make_run(tmp_path: Path) -> tuple[Path, Path]:
                           tolerance=Tolerance(kind="abs", value=1e-4))
         (run.problems_dir / name).mkdir(parents=True)
         (run.problems_dir / name / "problem.json").write_text(problem.model_dump_json())
+        seal.record(run.path, [run.problems_dir / name / "problem.json"])  # as the freeze seals what it froze
         c = Candidate(region=name, source=source)
         store.record(Trial(region=name, candidate_hash=c.hash, candidate_path=str(run.save_candidate(source, c.hash)),
                            status=Status.ok, speedup=speedup, error=0.0, tolerance="abs 0.0001", device="cpu",

@@ -1,6 +1,7 @@
 """The adversarial suite: each cheating or broken candidate is rejected with the right status,
 the harness keeps running, and correct candidates pass."""
 
+import os
 import re
 import socket
 import threading
@@ -10,25 +11,78 @@ import pytest
 
 from sandbox.runner import Limits, TrialRunner
 from sandbox.client import WorkerConfig
+from sandbox.jail import describe
 from tools.trial import Candidate, Status
 
 HERE = Path(__file__).parent
+EXAMPLE = HERE.parent / "examples" / "llama.py"
 ADVERSARIAL = sorted((HERE / "candidates" / "adversarial").glob("*.py"))
 
 
-def expected(path: Path) -> str:
-    return re.search(r"EXPECT: (\w+)", path.read_text()).group(1)
+def expected(path: Path, device: str = "cpu") -> set[str]:
+    """The statuses a candidate file declares (`a|b`: either is right), with `EXPECT_UNJAILED:`
+    where no jail hides the run folder and `EXPECT_GPU:` on a GPU."""
+    text = path.read_text()
+    found = re.search(r"EXPECT: ([\w|]+)", text).group(1)
+    unjailed = re.search(r"EXPECT_UNJAILED: ([\w|]+)", text)
+    if unjailed and describe().kind != "bubblewrap":
+        found = unjailed.group(1)
+    gpu = re.search(r"EXPECT_GPU: ([\w|]+)", text)
+    if gpu and device.startswith("cuda"):
+        found = gpu.group(1)
+    return set(found.split("|"))
+
+
+def timed(path: Path) -> bool:
+    return "TIMING: on" in path.read_text()
+
+
+CANARY = "NIGHTSHIFT-CANARY-5b2f"
+
+
+def fill_in(source: str, frozen_run: Path, port: int, marker: str) -> str:
+    run_dir = frozen_run.parent
+    for key, value in {"{reference_path}": frozen_run / "LlamaRMSNorm" / "reference.pt", "{port}": port,
+                       "{run_dir}": run_dir, "{secret_path}": run_dir / "secret.txt",
+                       "{git_config}": HERE.parent / ".git" / "config", "{marker}": marker}.items():
+        source = source.replace(key, str(value))
+    return source
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    import hashlib
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 @pytest.fixture(scope="module")
 def runner(frozen_run, monkeypatch_module):
-    # A secret in the tuner's environment must never reach candidate code.
+    # A secret in the tuner's environment and one in the run folder must never reach candidate code.
     monkeypatch_module.setenv("ANTHROPIC_API_KEY", "sk-ant-test-not-a-real-key")
+    (frozen_run.parent / "secret.txt").write_text(CANARY)
     r = TrialRunner("cpu", Limits(compile_s=30, run_s=8, time_s=60, budget_ms=50, max_reps=20),
                     WorkerConfig(device="cpu", memory_gb=6))
     r.add_problem(frozen_run / "LlamaRMSNorm")
     yield r
     r.close()
+
+
+@pytest.fixture(scope="module")
+def untouched(frozen_run):
+    """The run folder and the model file as they were before any candidate ran."""
+    before = tree_digest(frozen_run.parent), EXAMPLE.read_bytes()
+    yield before
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +116,30 @@ def closed_port():
 
 
 @pytest.mark.parametrize("path", ADVERSARIAL, ids=[p.stem for p in ADVERSARIAL])
-def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_port):
-    source = path.read_text().replace("{reference_path}", str(frozen_run / "LlamaRMSNorm" / "reference.pt"))
-    source = source.replace("{port}", str(closed_port))
-    trial = runner.run(Candidate(region="LlamaRMSNorm", source=source), do_time=False)
-    assert trial.status.value == expected(path), (trial.status, trial.reason, trial.error_text[-800:])
+def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_port, untouched):
+    marker = f"ns-mark-{os.getpid()}-{path.stem}"
+    source = fill_in(path.read_text(), frozen_run, closed_port, marker)
+    trial = runner.run(Candidate(region="LlamaRMSNorm", source=source), do_time=timed(path))
+    assert trial.status.value in expected(path), (trial.status, trial.reason, trial.error_text[-800:])
     assert trial.status is Status.ok or not trial.ranked
+    # Whatever it tried: no secret in what comes back, and nothing it started outlives its trial.
+    text = trial.model_dump_json()
+    assert "sk-ant" not in text
+    if describe().kind == "bubblewrap":
+        assert CANARY not in text and "[core]" not in text
+    assert processes_with(marker) == [], "a process the candidate started outlived its trial"
     if path.stem == "reads_api_key":
-        assert "KeyError" in trial.error_text and "sk-ant" not in trial.error_text
+        assert "KeyError" in trial.error_text
+
+
+def test_the_run_folder_and_model_file_are_byte_identical_after_the_suite(untouched, frozen_run, runner):
+    """Runs after the adversarial suite (pytest keeps file order): in the jail, no candidate could
+    change a frozen file, forge a store row or edit the model file."""
+    if describe().kind != "bubblewrap":
+        pytest.skip("without bubblewrap the run folder is not hidden from candidates (agent doctor says so)")
+    before_tree, before_model = untouched
+    assert tree_digest(frozen_run.parent) == before_tree
+    assert EXAMPLE.read_bytes() == before_model
 
 
 def test_harness_survives_crashes_and_still_verifies_and_times(runner):

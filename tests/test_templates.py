@@ -75,6 +75,18 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class FFN(nn.Module):
+    """GPT-2's MLP: Conv1D weights ([in, out], x @ W + b) and the tanh GELU."""
+
+    def __init__(self, h, i):
+        super().__init__()
+        self.fc_w, self.fc_b = nn.Parameter(0.1 * torch.randn(h, i)), nn.Parameter(0.1 * torch.randn(i))
+        self.proj_w, self.proj_b = nn.Parameter(0.1 * torch.randn(i, h)), nn.Parameter(0.1 * torch.randn(h))
+
+    def forward(self, x):
+        return F.gelu(x @ self.fc_w + self.fc_b, approximate="tanh") @ self.proj_w + self.proj_b
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -136,6 +148,7 @@ CASES = {
     "softmax": (Softmax, (2, 8, 50)),
     "linear_gelu": (lambda: LinearGelu(H, 48), (2, 5, H)),
     "mlp": (lambda: MLP(H, I), (2, 8, H)),
+    "ffn": (lambda: FFN(H, I), (2, 8, H)),
     "attention": (lambda: Attention(H, NH, NKV, HD, MAX_POS), (2, 8, H)),
     "decoder": (DecoderLayer, (2, 8, H)),
 }
@@ -151,6 +164,8 @@ RIGHT = {
     "mlp_dual_gemm": ("mlp", {"gate_w": "gate_proj.weight", "up_w": "up_proj.weight", "act": "silu"}),
     "skinny_mlp": ("mlp", {"gate_w": "gate_proj.weight", "up_w": "up_proj.weight", "act": "silu"}),
     "linear_act": ("linear_gelu", {"bias": "fc.bias", "act": "gelu"}),
+    "mlp": ("ffn", {"w1": "fc_w", "b1": "fc_b", "b2": "proj_b", "layout1": "matmul", "layout2": "matmul",
+            "act": "gelu_tanh"}),
     "skinny_linear": ("linear_gelu", {"bias": "fc.bias", "act": "gelu"}),
     "rope_attention": ("attention", {"q_w": "q_proj.weight", "k_w": "k_proj.weight",
                                      "cos": "cos_cached", "o_w": "o_proj.weight", "causal": True}),
@@ -168,6 +183,7 @@ EXTRA_POINTS = {
     "gated_mlp": [{"gemm": "separate", "BLOCK": 32}],
     "mlp_dual_gemm": [{"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 1, "down": "triton"}],
     "linear_act": [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4}],
+    "mlp": [{"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 1}],
     "skinny_linear": [{"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3}, {"SPLIT_K": 1}],
     "skinny_mlp": [{"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, {"SPLIT_K": 1}],
     "rope_attention": [{"HEADS": 1, "out_layout": "bshd"}],
@@ -238,6 +254,7 @@ def test_applicability_follows_shapes(problems):
     assert names["attention"] == {"rope_attention", "gqa_attention"}
     assert names["decoder"] == {"add_rmsnorm"}
     assert names["linear_gelu"] == {"linear_act", "skinny_linear"}
+    assert names["ffn"] == {"mlp"}
     # Prefill-shaped workloads (many rows) get no decode-shaped GEMV.
     torch.manual_seed(0)
     mlp = MLP(H, I)
@@ -378,6 +395,7 @@ GPU_CASES = {  # case -> (factory, input shape)
     "linear_gelu_decode": (lambda: LinearGelu(4096, 14336), (32, 1, 4096)),
     "mlp": (lambda: MLP(4096, 14336), (1, 2048, 4096)),
     "mlp_decode": (lambda: MLP(4096, 14336), (32, 1, 4096)),
+    "ffn": (lambda: FFN(1600, 6400), (1, 1024, 1600)),
     "attention": (lambda: Attention(4096, 32, 8, 128, 4096), (1, 2048, 4096)),
     "decoder": (lambda: DecoderLayer(4096, 14336, 32, 8, 128, 4096), (1, 2048, 4096)),
 }

@@ -1,11 +1,17 @@
 """Freezing problems: real inputs and today's outputs of chosen regions, written to disk;
 and the whole model's end-to-end reference (`freeze_model`), which integration checks against.
 
-For each chosen module class, the first instance in the model is the representative: a
-forward hook records the inputs of its first call in every workload and the outputs the
-current code gives for them. The region is then rebuilt on its own from the model file and
-its frozen state and must reproduce those outputs; a region that does not (it depends on
-state outside itself) is skipped with the reason, since no candidate could be judged on it.
+For each chosen module class, the first instance in the model is the representative (path
+"" is the model itself): a forward hook records the inputs of its first call in every
+workload, exactly as called, and the outputs the current code gives for them
+(`tools.recording`), after checking that they fit in memory (`tools.footprint`). The region
+is then rebuilt on its own from the model file and its frozen state and must reproduce those
+outputs; a region that does not (it depends on state outside itself, or on an argument that
+is not plain data) is skipped with the reason, since no candidate could be judged on it.
+
+Everything but that check is best-effort: the roofline floor, the FLOP count and the traced
+graph facts (`tools.graph`) that could not be computed are left out with a note in
+`Problem.notes`, never a traceback.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 from torch.utils.flop_counter import FlopCounterMode
 
+from tools.footprint import Admission, DoesNotFit
+from tools.graph import region_facts, signature_facts
 from tools.modelfile import LoadedModel, file_sha256, tensors_in
 from tools.problem import (Problem, ProblemError, StopRule, TensorSpec, Tolerance, Workload, default_tolerance,
                            file_hash, tensor_hash)
+from tools.recording import record_calls
 from tools.region import build_region, call_args, flatten, module_state, scalar_attributes
 from tools.verify import diff
 
@@ -59,56 +67,53 @@ def instances_of(model: torch.nn.Module, class_name: str) -> list[str]:
     return [p for p, m in model.named_modules() if type(m).__qualname__ == class_name]
 
 
-def _capture(loaded: LoadedModel, path: str) -> tuple[list[dict], list[Any], dict[str, int]]:
-    module = loaded.model.get_submodule(path)
-    seen: dict[str, Any] = {}
-    calls = {"n": 0}
-
-    def hook(_m, args, kwargs, output):
-        calls["n"] += 1
-        if "rec" not in seen:
-            seen["rec"] = ({"args": _detach_cpu(list(args)), "kwargs": _detach_cpu(dict(kwargs))},
-                           _detach_cpu(output))
-
-    handle = module.register_forward_hook(hook, with_kwargs=True)
-    inputs, outputs, per_forward = [], [], {}
-    try:
-        with torch.no_grad():
-            for w in loaded.workloads:
-                seen.clear()
-                calls["n"] = 0
-                loaded.model(*w.inputs)
-                if "rec" not in seen:
-                    raise RuntimeError(f"{path} is not called in workload {w.name!r}")
-                inputs.append(seen["rec"][0])
-                outputs.append(seen["rec"][1])
-                per_forward[w.name] = calls["n"]
-    finally:
-        handle.remove()
-    return inputs, outputs, per_forward
-
-
 def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: dict, device: torch.device,
-              ceilings: dict | None) -> float:
-    """Lower bound for one call: each input, output and parameter moved once, FLOPs at peak."""
+              ceilings: dict | None, notes: list[str] | None = None) -> float | None:
+    """Lower bound for one call: each input, output and parameter moved once, FLOPs at peak.
+    Best-effort: when FLOPs cannot be counted (torch's counter asserts on some SDPA calls),
+    the floor is the traffic alone, still a lower bound; None when even that fails."""
     if not ceilings:
         return 0.0
-    nbytes = sum(t.numel() * t.element_size() for t in tensors_in(input_set))
-    nbytes += sum(t.numel() * t.element_size() for t in outputs if t is not None)
-    nbytes += sum(t.numel() * t.element_size() for t in state.values())
-    args, kwargs = call_args(input_set, device)
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        region(*args, **kwargs)
-    flops = counter.get_total_flops()
-    return max(nbytes / (ceilings["bandwidth_gbps"] * 1e9), flops / (ceilings["matmul_tflops"] * 1e12)) * 1e3
+    try:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors_in(input_set))
+        nbytes += sum(t.numel() * t.element_size() for t in outputs if t is not None)
+        nbytes += sum(t.numel() * t.element_size() for t in state.values())
+        traffic_ms = nbytes / (ceilings["bandwidth_gbps"] * 1e9) * 1e3
+    except Exception as e:
+        (notes if notes is not None else []).append(f"roofline floor: unknown ({type(e).__name__}: {str(e)[:120]})")
+        return None
+    try:
+        args, kwargs = call_args(input_set, device)
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            region(*args, **kwargs)
+        flops = counter.get_total_flops()
+    except Exception as e:
+        (notes if notes is not None else []).append(
+            f"FLOP count: unknown ({type(e).__name__}: {str(e)[:120]}); the floor counts bytes only")
+        return traffic_ms
+    return max(traffic_ms, flops / (ceilings["matmul_tflops"] * 1e12) * 1e3)
+
+
+def _abs_max(t: torch.Tensor) -> float:
+    """max |t| without a temporary of t's size."""
+    lo, hi = torch.aminmax(t.detach())
+    return max(abs(float(lo)), abs(float(hi)))
+
+
+def _facts(region: torch.nn.Module, input_set: dict, structure: str, device: torch.device) -> tuple[dict, list[str]]:
+    try:
+        return region_facts(region, input_set, structure, device)
+    except Exception as e:  # facts help planners; they never cost the problem
+        return {}, [f"graph facts: unknown ({type(e).__name__}: {str(e)[:160]})"]
 
 
 def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, device: torch.device, *,
            tolerance: Tolerance | None = None, per_region: dict[str, Tolerance] | None = None,
            stop_rule: StopRule | None = None, targets: list[str] | None = None, device_name: str = "",
            ceilings: dict | None = None) -> tuple[list[Problem], list[Skipped]]:
-    """Write one problem folder per choice under `folder`; returns (problems, skipped)."""
+    """Write one problem folder per choice under `folder`; returns (problems, skipped).
+    Nothing is written for a region that is skipped; every skip says why."""
     problems, skipped = [], []
     per_region = per_region or {}
     model_hash = file_sha256(loaded.path)
@@ -117,43 +122,62 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
         if not paths:
             skipped.append(Skipped(choice.class_name, "no module of this class in the model"))
             continue
+        kinds = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in map(loaded.model.get_submodule, paths)})
+        if len(kinds) > 1:  # a winner is routed by class name: it would replace both classes' forwards
+            skipped.append(Skipped(choice.class_name, f"several classes have this name ({', '.join(kinds[:3])})"))
+            continue
         rep = paths[0]
         module = loaded.model.get_submodule(rep)
+        state = module_state(module)
+        admission = Admission(device, sum(t.numel() * t.element_size() for t in state.values()),
+                              copies=device.type != "cpu")
         try:
-            inputs, raw_outputs, calls = _capture(loaded, rep)
+            names = [p["name"] for p in signature_facts(type(module))]
+            inputs, raw_outputs, calls, notes = record_calls(loaded.model, module, loaded.workloads, names, admission)
+        except DoesNotFit as e:
+            skipped.append(Skipped(choice.class_name, f"does not fit in memory: {e}"))
+            continue
         except RuntimeError as e:
-            skipped.append(Skipped(choice.class_name, str(e)))
+            skipped.append(Skipped(choice.class_name, f"{rep or 'the model'}: {e}"))
+            continue
+        absent = [n for n in notes if "absent" in n]
+        if any(n.startswith("output") for n in absent):
+            skipped.append(Skipped(choice.class_name, f"returns something that is not plain data ({absent[0]})"))
             continue
         flat = [flatten(o) for o in raw_outputs]
-        if any(s.startswith("?") or "?" in s for _, s in flat):
-            skipped.append(Skipped(choice.class_name, f"returns something other than tensors ({flat[0][1]})"))
-            continue
         if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in flat[0][0]):
             skipped.append(Skipped(choice.class_name, "has no floating-point output to compare"))
             continue
-        state = module_state(module)
         reference = [{"structure": s, "outputs": outs} for outs, s in flat]
+        why_absent = f" (frozen as absent: {'; '.join(absent)[:300]})" if absent else ""
         # The region alone, rebuilt from the file and the frozen state, must give the same outputs.
         try:
             alone = build_region(loaded.path, rep, state, device)
             with torch.no_grad():
                 again = [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0] for s in inputs]
         except Exception as e:
-            skipped.append(Skipped(choice.class_name, f"cannot be rebuilt on its own: {type(e).__name__}: {e}"))
+            skipped.append(Skipped(choice.class_name, f"cannot be rebuilt on its own: {type(e).__name__}: "
+                                   f"{str(e)[:300]}{why_absent}"))
             continue
         first = next(t for t in flat[0][0] if isinstance(t, torch.Tensor) and t.is_floating_point())
-        ref_max = max(float(t.abs().max()) for outs, _ in flat for t in outs
+        ref_max = max(_abs_max(t) for outs, _ in flat for t in outs
                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel())
         tol, source = default_tolerance(first.dtype, ref_max), "default"
         if tolerance is not None:
             tol, source = tolerance, "cli"
         if choice.class_name in per_region:
             tol, source = per_region[choice.class_name], "cli (per region)"
-        drift = max(diff([_detach_cpu(t) for t in a], r["outputs"]).error(tol) for a, r in zip(again, reference))
+        # Compared where the rebuilt outputs are: the references go to the device, so the host
+        # never holds a second copy of the outputs.
+        drift = max(diff(a, [r if r is None or t is None else r.to(t.device) for r, t in zip(ref["outputs"], a)]
+                         ).error(tol) for a, ref in zip(again, reference))
+        del again
         if drift > tol.value:
             skipped.append(Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
-                                   f"by {drift:.3g} (> {tol}): it depends on state outside the module"))
+                                   f"by {drift:.3g} (> {tol}): it depends on state outside the module{why_absent}"))
             continue
+        graph, graph_notes = _facts(alone, inputs[0], flat[0][1], device)
+        notes += graph_notes + [n for n in [admission.note()] if n]
         workloads = []
         for w, s, (outs, _) in zip(loaded.workloads, inputs, flat):
             workloads.append(Workload(
@@ -161,7 +185,9 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
                 inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(s))],
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None],
                 baseline_ms=(choice.baseline_ms or {}).get(w.name)))
-        name = _folder_name(choice.class_name, [p.name for p in problems])
+        floors = {w.name: _floor_ms(alone, s, outs, state, device, ceilings, notes)
+                  for w, s, (outs, _) in zip(loaded.workloads, inputs, flat)}
+        name = _folder_name(choice.class_name, [p.name for p in problems], folder)
         problem = Problem(
             name=name, region_class=choice.class_name, region_path=rep, instances=paths,
             region_source=_source(type(module)), model_file=str(loaded.path), model_hash=model_hash,
@@ -171,18 +197,24 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             workloads=workloads, tolerance=tol, tolerance_source=source,
             metric="weighted_latency" if len(workloads) > 1 else "latency",
             target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
-            share_of_model=choice.share, top_kernels=list(choice.top_kernels),
-            floor_ms={w.name: _floor_ms(alone, s, outs, state, device, ceilings)
-                      for w, s, (outs, _) in zip(loaded.workloads, inputs, flat)})
+            share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
+            floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes))
         problem.save(folder / name, inputs, reference, state)
         problems.append(problem)
+        del inputs, raw_outputs, reference, flat, alone
     return problems, skipped
 
 
-def _folder_name(class_name: str, taken: list[str]) -> str:
+def _unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _folder_name(class_name: str, taken: list[str], folder: Path | None = None) -> str:
+    """A folder name for the class that no problem of this freeze, nor a folder already in
+    `folder`, has: freezing never overwrites an existing problem."""
     base = re.sub(r"[^A-Za-z0-9_.-]", "_", class_name)
     name, i = base, 2
-    while name in taken:
+    while name in taken or (folder is not None and (Path(folder) / name).exists()):
         name, i = f"{base}_{i}", i + 1
     return name
 
@@ -194,82 +226,19 @@ def _source(cls: type) -> str:
         return f"# source of {cls.__qualname__} not available"
 
 
-# -- the whole model: the frozen end-to-end reference ------------------------------------------
+# -- the whole model: one more problem, for integration ------------------------------------------
 MODEL_DIR = "model"
-MODEL_FILE = "model.json"
-MODEL_TENSOR_FILES = ("state.pt", "inputs.pt", "outputs.pt")
-
-
-class ModelWorkload(BaseModel):
-    """One workload of the whole model: its weight, its outputs and the end-to-end tolerance."""
-
-    name: str
-    weight: float = 1.0
-    inputs: list[TensorSpec] = Field(default_factory=list)
-    outputs: list[TensorSpec] = Field(default_factory=list)
-    tolerance: Tolerance
-    tolerance_source: str = "default"
-    """`calibrated: ...` (see `calibrated_tolerance`), `default` (by the output's dtype and
-    magnitude, when calibration could not run) or `cli` (--e2e-tolerance)."""
-
-
-class ModelReference(BaseModel):
-    """`runs/<run>/model/`: the untouched model's state, inputs and outputs per workload.
-
-    Files next to `model.json`: `state.pt` (every parameter and buffer of the model, persistent
-    or not), `inputs.pt` (one {"args", "kwargs"} set per workload) and `outputs.pt` (one
-    {"structure", "outputs"} per workload), each recorded with its sha256."""
-
-    model_file: str
-    model_hash: str
-    init_hash: str = ""
-    device: str
-    """Where the outputs were computed (`cuda`, `cpu`)."""
-    device_name: str = ""
-    workloads: list[ModelWorkload]
-    state_hash: str = ""
-    """Content hash of the state (tools.problem.tensor_hash): equal after a reload, bit for bit."""
-    hashes: dict[str, str] = Field(default_factory=dict)
-
-    @property
-    def weights(self) -> dict[str, float]:
-        total = sum(w.weight for w in self.workloads) or 1.0
-        return {w.name: w.weight / total for w in self.workloads}
-
-    @classmethod
-    def load(cls, folder: Path) -> "ModelReference":
-        path = Path(folder) / MODEL_FILE
-        if not path.is_file():
-            raise ProblemError(f"{folder}: no {MODEL_FILE} (this run has no frozen model reference; "
-                               "profile the model again to make one)")
-        try:
-            return cls.model_validate_json(path.read_text())
-        except ValueError as e:
-            raise ProblemError(f"{path}: invalid model reference: {e}") from None
-
-    def load_tensors(self, folder: Path, state: bool = True) -> tuple[dict | None, list[dict], list[dict]]:
-        """State, inputs and outputs, each checked against its hash (the state only checked, not
-        loaded, when `state` is False: the sandbox loads it, the tuner need not)."""
-        out = []
-        for fname in MODEL_TENSOR_FILES:
-            path = Path(folder) / fname
-            if not path.is_file():
-                raise ProblemError(f"{path} is missing")
-            if self.hashes.get(fname) != file_hash(path):
-                raise ProblemError(f"{path} changed since the model was frozen (hash mismatch)")
-            load = state or fname != "state.pt"
-            out.append(torch.load(path, weights_only=True, map_location="cpu") if load else None)
-        return out[0], out[1], out[2]
+MODEL_PROBLEM = "model"
 
 
 def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolerance: Tolerance | None = None,
-                 device_name: str = "") -> ModelReference:
-    """Write the whole model's frozen end-to-end reference to `folder` (`runs/<run>/model/`).
-
-    The outputs are today's model on each workload's inputs; the tolerance per workload is
-    `calibrated_tolerance` unless given."""
+                 device_name: str = "", model_env: dict[str, str] | None = None) -> Problem:
+    """The whole model as a problem (`runs/<run>/model/`, region path ""): its inputs and today's
+    outputs per workload, every parameter and buffer, and a tolerance per workload
+    (`calibrated_tolerance` unless given). Integration runs candidates for it (the model with
+    winners routed in, torch.compile of it) through the same trial path as any region."""
     state = module_state(loaded.model)
-    inputs, outputs, workloads = [], [], []
+    inputs, reference, workloads = [], [], []
     with torch.no_grad():
         for w in loaded.workloads:
             input_set = {"args": _detach_cpu(list(w.inputs)), "kwargs": {}}
@@ -286,23 +255,22 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
             else:
                 tol, source = calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
             inputs.append(input_set)
-            outputs.append({"structure": structure, "outputs": outs})
-            workloads.append(ModelWorkload(
+            reference.append({"structure": structure, "outputs": outs})
+            workloads.append(Workload(
                 name=w.name, weight=w.weight, tolerance=tol, tolerance_source=source,
                 inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(input_set))],
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
-    ref = ModelReference(model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
-                         init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
-                         workloads=workloads, state_hash=tensor_hash(state))
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for fname, obj in zip(MODEL_TENSOR_FILES, (state, inputs, outputs)):
-        torch.save(obj, folder / fname)
-        ref.hashes[fname] = file_hash(folder / fname)
-    tmp = folder / (MODEL_FILE + ".tmp")
-    tmp.write_text(ref.model_dump_json(indent=2))
-    tmp.replace(folder / MODEL_FILE)
-    return ref
+    model = loaded.model
+    problem = Problem(
+        name=MODEL_PROBLEM, region_class=type(model).__qualname__, region_path="", instances=[""],
+        region_source=_source(type(model)), model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
+        init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
+        children={n: type(c).__qualname__ for n, c in model.named_children()}, workloads=workloads,
+        tolerance=workloads[0].tolerance, tolerance_source="per workload (end to end)",
+        metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
+        model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}))
+    problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
+    return problem
 
 
 def calibrated_tolerance(model: torch.nn.Module, inputs: list, outputs: list, dtype: torch.dtype,

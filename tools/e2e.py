@@ -1,6 +1,6 @@
 """What integration found: the winners applied to the whole model, checked end to end.
 
-Written to `runs/<run>/integration.json` by `tools.integrate`, read by the report and by
+Written to `runs/<run>/integration.json` by `agent.integrate`, read by the report and by
 `agent apply`.
 """
 
@@ -44,6 +44,10 @@ class WorkloadResult(BaseModel):
     error: float | None = None
     """End-to-end error of the tuned model against the frozen model outputs."""
     tolerance: str = ""
+    noise_band: float = 0.0
+    """Relative A/A band of the untouched model timed against itself (per workload)."""
+    verdict: str = ""
+    """`faster`, `slower` or `no change` (the speedup lies inside the noise band)."""
     baselines: dict[str, float | None] = Field(default_factory=dict)
     """`torch.compile`, `max-autotune-no-cudagraphs`, `reduce-overhead` -> ms (None: failed)."""
     baseline_speedups: dict[str, float | None] = Field(default_factory=dict)
@@ -62,6 +66,8 @@ class IntegrationResult(BaseModel):
     baseline_errors: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
     """What the reader should know: baselines skipped on the CPU, regions with no kept candidate, ..."""
+    noise_band: float | None = None
+    """The weighted A/A band: a weighted speedup within 1 +- this is `no change`."""
     created_at: float = Field(default_factory=time.time)
 
     def save(self, run_path: Path) -> Path:

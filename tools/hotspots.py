@@ -1,6 +1,6 @@
 """The profile's results and what is computed from rows alone: the pydantic models saved as
-hotspots.json, the sums over rows (per class, weighted over workloads), the choice of regions
-to tune, and the hotspot table. Measuring lives in `tools.profiler`, which re-exports these."""
+hotspots.json, the sums over rows (per class, weighted over workloads) and the hotspot table.
+Choosing regions is `tools.selection`; measuring is `tools.profiler`, which re-exports both."""
 
 from __future__ import annotations
 
@@ -186,49 +186,7 @@ def _weighted(profiles: list[WorkloadProfile]) -> tuple[list[HotspotRow], float]
     return rows, total
 
 
-# ---------------------------------------------------------------------------- selection and rendering
-
-def _inside(q: str, p: str) -> bool:
-    """Module path q is p or lies below it."""
-    return p == ROOT or q == p or q.startswith(p + ".")
-
-
-def select_regions(result: ProfileResult, coverage: float = 0.9, max_regions: int = 8,
-                   exclude: tuple[str, ...] = ("Model",), min_share: float = 0.05) -> list[ClassRow]:
-    """Classes to tune, heaviest first, until they cover `coverage` of the model's time.
-
-    Never the root model, a container (ModuleList/ModuleDict/Sequential) or a class named in
-    `exclude`. User-defined classes come before torch's own (nn.Linear is one cuBLAS call with
-    nothing to fuse on its own, and choosing it would block the user classes around it).
-    Skip a *coarse* class: one whose instances contain two or more other user-defined classes
-    with at least `min_share` each (a decoder layer holding attention and MLP: its parts are
-    the better problems). Skip a class that nests with one already chosen (an instance inside
-    or around a chosen instance): a class's winner replaces its forward everywhere, so chosen
-    regions must not overlap, and their shares add up to the coverage reached.
-    """
-    candidates = [c for c in result.by_class if not c.is_root and not c.container and c.inclusive_ms > 0
-                  and c.class_name not in exclude and c.qualname not in exclude]
-
-    def nests(a: ClassRow, b: ClassRow) -> bool:
-        return any(_inside(p, q) or _inside(q, p) for p in a.paths for q in b.paths)
-
-    def builtin(c: ClassRow) -> bool:
-        return c.qualname.startswith("torch.")
-
-    def coarse(c: ClassRow) -> bool:
-        inner = {d.qualname for d in candidates if d is not c and not builtin(d) and d.share >= min_share
-                 and any(q != p and _inside(q, p) for p in c.paths for q in d.paths)}
-        return len(inner) >= 2
-
-    chosen, covered = [], 0.0
-    for c in sorted(candidates, key=lambda c: (builtin(c), -c.inclusive_ms)):
-        if covered >= coverage or len(chosen) >= max_regions:
-            break
-        if not coarse(c) and not any(nests(c, s) for s in chosen):
-            chosen.append(c)
-            covered += c.share
-    return chosen
-
+# ---------------------------------------------------------------------------- rendering
 
 def render_hotspots(result: ProfileResult, top: int = 15, workload: str | None = None) -> Table:
     """The `top` regions by inclusive time, in module-tree order, indented by depth."""

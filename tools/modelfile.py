@@ -14,8 +14,10 @@ line, so the CLI can print it without a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import os
 import math
 import sys
 import traceback
@@ -48,6 +50,48 @@ class LoadedModel:
     workloads: list[WorkloadInputs]
     file_hash: str
     init_inputs: list[Any] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables the model file read while it was imported and built (settings such
+    as LLAMA_PRESET): sandbox workers get exactly these, nothing else of the tuner's environment."""
+
+
+SECRET_HINT = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH")
+
+
+class _RecordingEnviron(os._Environ):
+    """os.environ that notes which names are read (os.getenv goes through it too)."""
+
+    def __init__(self, base: os._Environ):
+        super().__init__(base._data, base.encodekey, base.decodekey, base.encodevalue, base.decodevalue)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+@contextlib.contextmanager
+def recording_environment():
+    """Within: reads of os.environ are recorded; yields a dict filled, on exit, with the names
+    read that are set and look like settings, not secrets."""
+    base, found = os.environ, {}
+    rec = _RecordingEnviron(base)
+    os.environ = rec
+    try:
+        yield found
+    finally:
+        os.environ = base
+        for k in sorted(rec.read):
+            if isinstance(k, str) and k in base and not any(h in k.upper() for h in SECRET_HINT):
+                found[k] = base[k]
 
 
 def file_sha256(path: Path) -> str:
@@ -170,13 +214,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
     forward pass per workload so that a model that raises fails here, with a clear message."""
     path = Path(path).resolve()
     device = torch.device(device)
-    module = import_model_file(path)
-    init_inputs = _as_list(path, "get_init_inputs()", _call(path, "get_init_inputs()", module.get_init_inputs))
-    model = _call(path, "Model(*get_init_inputs())", module.Model, *init_inputs)
+    with recording_environment() as env:
+        sys.modules.pop(module_name_for(path), None) if path.is_file() else None  # import again, recorded
+        module = import_model_file(path)
+        init_inputs = _as_list(path, "get_init_inputs()", _call(path, "get_init_inputs()", module.get_init_inputs))
+        model = _call(path, "Model(*get_init_inputs())", module.Model, *init_inputs)
+        workloads = _workloads(path, module)
     if not isinstance(model, torch.nn.Module):
         raise ModelFileError(f"{path}: Model(...) did not return a torch.nn.Module")
     model = _call(path, f"moving the model to {device}", model.to, device).eval()
-    workloads = _workloads(path, module)
     if workload is not None:
         names = [w.name for w in workloads]
         workloads = [w for w in workloads if w.name == workload]
@@ -197,4 +243,4 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
         with torch.no_grad():
             for w in workloads:
                 _call(path, f"Model.forward on workload {w.name!r}", model, *w.inputs)
-    return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs)
+    return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs, env)

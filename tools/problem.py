@@ -20,6 +20,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from tools import seal
+
 PROBLEM_FILE = "problem.json"
 INPUTS_FILE = "inputs.pt"
 REFERENCE_FILE = "reference.pt"
@@ -153,6 +155,9 @@ class Workload(BaseModel):
     """How often the region runs in one forward pass of the model under this workload."""
     baseline_ms: float | None = None
     """Device time of the region at freeze time (from the profile), per call."""
+    tolerance: Tolerance | None = None
+    """This workload's own tolerance (the whole model: calibrated per workload); None: the problem's."""
+    tolerance_source: str = ""
 
     @field_validator("weight")
     @classmethod
@@ -201,6 +206,14 @@ class Problem(BaseModel):
     """Per workload: a lower bound on one call's time from bytes moved and FLOPs done."""
     hashes: dict[str, str] = Field(default_factory=dict)
     """sha256 of inputs.pt, reference.pt and state.pt."""
+    model_env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables the model file read when it was frozen (LLAMA_PRESET, ...): the
+    sandbox workers get exactly these, so they build the same model."""
+    # -- written by tools.capture (issue 14); best-effort facts for planners, never read by the verifier
+    graph: dict[str, Any] = Field(default_factory=dict)
+    """What tools.graph found about the region: its signature, arguments, matmuls, RoPE tables, mask."""
+    notes: list[str] = Field(default_factory=list)
+    """Analyses that could not be done at freeze time (FLOP count, trace, ...) and arguments frozen as absent."""
 
     @model_validator(mode="after")
     def _weights(self) -> "Problem":
@@ -211,12 +224,20 @@ class Problem(BaseModel):
         return self
 
     # -- files ---------------------------------------------------------------------------
-    def save(self, folder: Path, inputs: list[dict], reference: list[Any], state: dict) -> None:
+    def save(self, folder: Path, inputs: list[dict], reference: list[Any], state: dict,
+             seal_root: Path | None = None) -> None:
+        """Write the problem folder and seal every file of it in the run's seal (tools/seal.py):
+        the run folder is the problem folder's grandparent (`runs/<run>/problems/<name>`), or
+        `seal_root` (the whole model's `runs/<run>/model/` is sealed in its parent)."""
         folder.mkdir(parents=True, exist_ok=True)
         for fname, obj in ((INPUTS_FILE, inputs), (REFERENCE_FILE, reference), (STATE_FILE, state)):
             torch.save(obj, folder / fname)
             self.hashes[fname] = file_hash(folder / fname)
-        (folder / PROBLEM_FILE).write_text(self.model_dump_json(indent=2))
+        tmp = folder / (PROBLEM_FILE + ".tmp")
+        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.replace(folder / PROBLEM_FILE)
+        seal.record(seal_root or folder.parent.parent,
+                    [folder / f for f in (PROBLEM_FILE, INPUTS_FILE, REFERENCE_FILE, STATE_FILE)])
 
     @classmethod
     def load(cls, folder: Path) -> "Problem":
@@ -224,20 +245,25 @@ class Problem(BaseModel):
         if not path.is_file():
             raise ProblemError(f"{folder}: no {PROBLEM_FILE} (not a problem folder)")
         try:
+            seal.check(seal.root_of(Path(folder)), path)
+        except seal.SealError as e:
+            raise ProblemError(str(e)) from None
+        try:
             return cls.model_validate_json(path.read_text())
         except ValueError as e:
             raise ProblemError(f"{path}: invalid problem: {e}") from None
 
-    def load_tensors(self, folder: Path) -> tuple[list[dict], list[Any], dict]:
-        """Inputs, reference outputs and module state, each checked against its hash."""
+    def load_tensors(self, folder: Path, inputs: bool = True, state: bool = True) -> tuple[Any, list[Any], Any]:
+        """Inputs, reference outputs and module state, each checked against its hash (inputs or
+        state only checked, not loaded, when not asked for: sandbox workers load those)."""
         out = []
-        for fname in (INPUTS_FILE, REFERENCE_FILE, STATE_FILE):
+        for fname, want in ((INPUTS_FILE, inputs), (REFERENCE_FILE, True), (STATE_FILE, state)):
             path = Path(folder) / fname
             if not path.is_file():
                 raise ProblemError(f"{path} is missing")
             if self.hashes.get(fname) != file_hash(path):
                 raise ProblemError(f"{path} changed since the problem was frozen (hash mismatch)")
-            out.append(torch.load(path, weights_only=True, map_location="cpu"))
+            out.append(torch.load(path, weights_only=True, map_location="cpu", mmap=True) if want else None)
         return out[0], out[1], out[2]
 
     @property
@@ -245,13 +271,17 @@ class Problem(BaseModel):
         total = sum(w.weight for w in self.workloads)
         return {w.name: w.weight / total for w in self.workloads}
 
+    def tolerance_for(self, index: int) -> Tolerance:
+        """The tolerance that judges input set `index` (its workload's, else the problem's)."""
+        w = self.workloads[index] if 0 <= index < len(self.workloads) else None
+        return w.tolerance if w is not None and w.tolerance is not None else self.tolerance
 
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    @property
+    def is_whole_model(self) -> bool:
+        return self.region_path == ""
+
+
+file_hash = seal.file_hash
 
 
 def tensor_hash(obj: Any) -> str:

@@ -79,7 +79,7 @@ def _on_meta(m: torch.nn.Module) -> bool:
 
 
 def flatten(out: Any) -> tuple[list[torch.Tensor | None], str]:
-    """Outputs as a flat list plus a structure string (`T`, `(T,T)`, `[T,N]`, ...)."""
+    """Outputs as a flat list plus a structure string (`T`, `(T,T)`, `[T,N]`, `{a:T}`, ...)."""
     if isinstance(out, torch.Tensor):
         return [out], "T"
     if out is None:
@@ -92,6 +92,13 @@ def flatten(out: Any) -> tuple[list[torch.Tensor | None], str]:
             parts.append(s)
         brackets = "()" if isinstance(out, tuple) else "[]"
         return leaves, brackets[0] + ",".join(parts) + brackets[1]
+    if isinstance(out, dict) and all(isinstance(k, str) for k in out):  # also transformers' ModelOutput
+        leaves, parts = [], []
+        for k, x in out.items():
+            sub, s = flatten(x)
+            leaves += sub
+            parts.append(f"{k}:{s}")
+        return leaves, "{" + ",".join(parts) + "}"
     return [None], f"?{type(out).__name__}"
 
 

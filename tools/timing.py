@@ -1,25 +1,35 @@
-"""Side-by-side timing of two callables on one device, the way kernel benchmarks should be.
+"""Timing, the way kernel benchmarks should be, split so that no number is taken on trust.
 
-- Warm-up first, so compilation and handle creation stay out of the numbers.
-- The two callables alternate (A B, B A, ...), so drift in clocks or temperature hits both.
-- On CUDA: L2 flushed before every repetition, CUDA events around the call, median taken.
-- Calls are queued without host syncs (a flush and a short device sleep before each), so
-  the host's launch overhead is not counted as device time, as in triton's do_bench.
-- Work hidden on another stream is counted: in a separate pass, after the call's end event
-  completes we wait for the whole device and measure how long that took beyond an idle
-  device's wait. That excess is added to every sample and reported, so a candidate cannot
-  hide its work there.
-- On the CPU the host clock is used, and every number is labelled a CPU timing.
+In a worker, `run_batch` times one callable over `reps` repetitions:
+
+- every repetition gets inputs of its own, made in new memory just before it (fresh values,
+  so no two calls in a run see the same data: caching by content, pointer, shape or call
+  count returns wrong answers, which the tuner checks on a random sample of repetitions);
+- on CUDA: the L2 cache flushed before every repetition, CUDA events around the call only,
+  no host sync between repetitions (as triton's do_bench); one long device sleep first, so
+  the host queues the whole run while the GPU sleeps and host launch gaps never show up as
+  device time; the output copied (stream-ordered) right after the call's end event, so what
+  is checked is what the call had produced when it was timed;
+- on the CPU: the host clock around each call, labelled a CPU timing everywhere.
+
+The tuner (sandbox/runner.py) then reads raw samples, never a worker's statistics. The
+baseline is timed in a worker that never ran candidate code; each worker's claimed total is
+bounded by the tuner's own clock over the whole run, against an empty run of the same shape
+(`empty=True`: the same input making, flushes and copies, no call). Noise is measured as the
+spread between runs of the original against itself (A/A) and stored with every result.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+CPU_NOISE_FLOOR = 0.03
+GPU_NOISE_FLOOR = 0.005
 
 
 @dataclass(frozen=True)
@@ -28,105 +38,130 @@ class TimingStats:
     p20_ms: float
     p80_ms: float
     reps: int
-    hidden_ms: float = 0.0
-    """Median device time still running on other streams after the call's stream finished."""
+    mean_ms: float = 0.0
 
     @property
     def spread(self) -> float:
         return (self.p80_ms - self.p20_ms) / self.median_ms if self.median_ms > 0 else 0.0
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def _stats(samples: list[float], hidden: list[float] | None = None) -> TimingStats:
-    return TimingStats(statistics.median(samples), _quantile(samples, 0.2), _quantile(samples, 0.8),
-                       len(samples), statistics.median(hidden) if hidden else 0.0)
+def stats(samples: list[float]) -> TimingStats:
+    """Median, p20 and p80 of finite, non-negative samples (computed in the tuner)."""
+    xs = [float(x) for x in samples if isinstance(x, (int, float)) and math.isfinite(x) and x >= 0]
+    if not xs:
+        return TimingStats(math.inf, math.inf, math.inf, 0, math.inf)
+    return TimingStats(quantile(xs, 0.5), quantile(xs, 0.2), quantile(xs, 0.8), len(xs), sum(xs) / len(xs))
 
 
-class _CudaClock:
+def noise_band(medians: list[float], device_type: str) -> float:
+    """Relative A/A band from the medians of repeated runs of the same callable: their
+    max-min spread over their median, never under the device's floor."""
+    floor = CPU_NOISE_FLOOR if device_type == "cpu" else GPU_NOISE_FLOOR
+    xs = [m for m in medians if math.isfinite(m) and m > 0]
+    if len(xs) < 2:
+        return max(floor, 0.05)
+    return max(floor, (max(xs) - min(xs)) / quantile(xs, 0.5))
+
+
+# -- in the worker ----------------------------------------------------------------------------
+class CudaClock:
     def __init__(self, device: torch.device):
         props = torch.cuda.get_device_properties(device)
         l2 = getattr(props, "L2_cache_size", 0) or (64 << 20)
         # Writing twice the L2's size evicts whatever the previous call left there.
         self.flush_buf = torch.empty(2 * l2, dtype=torch.int8, device=device)
-        self.idle_tail = self._idle_tail()
+        self.cycles_per_ms = self._calibrate()
 
-    def _idle_tail(self) -> float:
-        tails = []
-        for _ in range(20):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            torch.cuda.synchronize()
-            tails.append((time.perf_counter() - t0) * 1e3)
-        # A high quantile, so ordinary jitter of the wait is not charged as hidden work.
-        return _quantile(tails, 0.9)
-
-    def batch(self, calls: list[Callable[[], object]]) -> list[float]:
-        """Event-timed ms of each call, queued back to back without host syncs (as do_bench
-        does): a flush and a short device sleep before each call keep the GPU behind the CPU,
-        so the host's launch overhead is not counted as device time."""
-        pairs = []
-        for fn in calls:
-            self.flush_buf.zero_()
-            torch.cuda._sleep(20_000)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            pairs.append((start, end))
+    @staticmethod
+    def _calibrate() -> float:
+        """Device clock cycles per millisecond of torch.cuda._sleep, measured with events."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
         torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in pairs]
-
-    def hidden(self, fn: Callable[[], object]) -> float:
-        """ms of device work still running on other streams after fn's stream finished."""
-        self.flush_buf.zero_()
-        torch.cuda.synchronize()
-        end = torch.cuda.Event()
-        fn()
+        start.record()
+        torch.cuda._sleep(5_000_000)
         end.record()
         end.synchronize()
-        t0 = time.perf_counter()
-        torch.cuda.synchronize()
-        return max(0.0, (time.perf_counter() - t0) * 1e3 - self.idle_tail)
+        return 5_000_000 / max(start.elapsed_time(end), 1e-3)
 
 
-def _cpu_once(fn: Callable[[], object]) -> float:
+def checksum_key(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """+-1 per element from an integer formula of (index, seed): the same on any device, so the
+    tuner can recompute a worker's checksum from an output copy."""
+    a, b = 2 * (seed % 1_000_003) + 1, seed % 999_983
+    idx = torch.arange(n, device=device, dtype=torch.int64)
+    return ((idx * a + b) % 7919 % 2).to(torch.float32).mul_(2).sub_(1)
+
+
+def checksum(leaves: list, key: torch.Tensor | None) -> torch.Tensor:
+    """sum |x_i| * key_i over the outputs, flattened in order (a 0-dim float32 tensor, on the
+    outputs' device). Nonlinear in the outputs, so it cannot be had without computing them."""
+    flat = [t.detach().reshape(-1).float().abs() for t in leaves if isinstance(t, torch.Tensor) and t.numel()]
+    if not flat or key is None:
+        return torch.zeros(())
+    x = torch.cat(flat) if len(flat) > 1 else flat[0]
+    k = key[: x.numel()] if key.numel() >= x.numel() else key.repeat(x.numel() // key.numel() + 1)[: x.numel()]
+    return (x * k).sum()
+
+
+def run_batch(call: Callable[[Any], Any] | None, make_inputs: Callable[[int], Any], reps: int,
+              device: torch.device, clock: CudaClock | None, *, lead_ms: float = 0.0,
+              copy_out: Callable[[Any], Any] | None = None, pad_bytes: int = 0, seed: int = 0,
+              key_len: int = 1) -> dict:
+    """`reps` timed repetitions of `call(make_inputs(i))`. Returns raw per-repetition times
+    (`samples`, ms), the device gaps between repetitions (`gaps`, CUDA), the host time spent
+    queueing (`host_ms`), the copies `copy_out` made of each output (`kept`), and a checksum of
+    each copy (`checksums`): the run's commitment to outputs the tuner samples afterwards.
+
+    `call=None` is the empty run: the same inputs, flushes and (with `pad_bytes`) output-sized
+    copies and checksums, no call; the tuner subtracts its wall time from a real run's."""
+    kept: list[Any] = []
+    sums: list[torch.Tensor] = []
+    pad = torch.zeros(max(1, key_len), dtype=torch.float32, device=device) if call is None and pad_bytes else None
+    key = checksum_key(max(1, key_len), seed, device) if (copy_out is not None or pad is not None) else None
+
+    def keep(out: Any) -> None:
+        if call is not None and copy_out is not None:
+            copies, meta = copy_out(out)
+            kept.append((copies, meta))
+            sums.append(checksum(copies, key))
+        elif pad is not None:
+            kept.append(pad.clone())
+            sums.append(checksum([kept[-1]], key))
+
     t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def time_pair(baseline: Callable[[], object], candidate: Callable[[], object], device: torch.device,
-              *, budget_ms: float = 400.0, min_reps: int = 10, max_reps: int = 200,
-              warmup: int = 3) -> tuple[TimingStats, TimingStats]:
-    """Time `baseline` and `candidate` interleaved on `device`; returns their stats.
-
-    The number of repetitions is chosen from a warm-up estimate so that the pair takes about
-    `budget_ms`, within [min_reps, max_reps]. Hidden (other-stream) time is included in the
-    candidate's samples, and reported separately in `hidden_ms`.
-    """
-    def run(pairs: list[tuple[str, Callable[[], object]]]) -> list[float]:
-        return clock.batch([f for _, f in pairs]) if clock else [_cpu_once(f) for _, f in pairs]
-
-    clock = _CudaClock(device) if device.type == "cuda" else None
-    run([("b", baseline), ("c", candidate)] * warmup)
-    est = sum(run([("b", baseline), ("c", candidate)]))
-    reps = int(max(min_reps, min(max_reps, budget_ms / max(est, 1e-3))))
-    order = []
-    for i in range(reps):  # alternate, so drift in clocks or temperature hits both alike
-        order += [("b", baseline), ("c", candidate)] if i % 2 == 0 else [("c", candidate), ("b", baseline)]
-    samples: dict[str, list[float]] = {"b": [], "c": []}
-    for start in range(0, len(order), 64):  # bounded batches: events are cheap but not free
-        chunk = order[start:start + 64]
-        for (key, _), ms in zip(chunk, run(chunk)):
-            samples[key].append(ms)
-    hidden = {"b": [0.0], "c": [0.0]}
-    if clock:
-        hidden = {k: [clock.hidden(f) for _ in range(5)] for k, f in (("b", baseline), ("c", candidate))}
-    extra = {k: statistics.median(v) for k, v in hidden.items()}
-    # Work left on other streams is real work: it is added to every sample, and reported.
-    return (_stats([x + extra["b"] for x in samples["b"]], hidden["b"]),
-            _stats([x + extra["c"] for x in samples["c"]], hidden["c"]))
+    if clock is None:
+        samples = []
+        for i in range(reps):
+            inputs = make_inputs(i)
+            s = time.perf_counter()
+            out = call(inputs) if call is not None else None
+            samples.append((time.perf_counter() - s) * 1e3)
+            keep(out)
+            del out, inputs
+        return {"samples": samples, "gaps": [], "host_ms": (time.perf_counter() - t0) * 1e3, "kept": kept,
+                "checksums": [float(x) for x in sums]}
+    events = []
+    if lead_ms > 0:
+        torch.cuda._sleep(int(lead_ms * clock.cycles_per_ms))
+    for i in range(reps):
+        inputs = make_inputs(i)
+        clock.flush_buf.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = call(inputs) if call is not None else None
+        end.record()
+        keep(out)
+        events.append((start, end))
+        del out, inputs
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) for s, e in events]
+    gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
+    return {"samples": samples, "gaps": gaps, "host_ms": host_ms, "kept": kept,
+            "checksums": [float(x) for x in sums]}

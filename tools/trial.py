@@ -10,6 +10,16 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 
+def verdict(speedup: float | None, band: float | None) -> str:
+    """`faster` beyond the noise band, `slower` beyond it, otherwise `no change`."""
+    if speedup is None:
+        return ""
+    band = band or 0.0
+    if speedup > 1 + band:
+        return "faster"
+    return "slower" if speedup < 1 / (1 + band) else "no change"
+
+
 class Status(str, Enum):
     """Why a trial ended the way it did. Only `ok` is ever ranked."""
 
@@ -21,9 +31,11 @@ class Status(str, Enum):
     nan = "nan"  # NaN or inf where the reference is finite
     uninitialized = "uninitialized"  # output keeps the poison written into fresh memory
     mutated_input = "mutated_input"  # changed an input or a module parameter
+    aliased = "aliased"  # an output shares memory with an input, a parameter or an earlier output
     nondeterministic = "nondeterministic"  # two runs on the same inputs disagree
-    hardcoded = "hardcoded"  # right on the frozen inputs, wrong on fresh random ones
-    suspicious = "suspicious"  # tampered with torch or the harness, impossible speed, hidden work
+    late_write = "late_write"  # an output changed after the call returned (a thread, another stream)
+    hardcoded = "hardcoded"  # right on the frozen inputs, wrong on fresh ones or with perturbed parameters
+    suspicious = "suspicious"  # tampered with torch or the harness, impossible speed, timings the tuner's clock refutes
     timeout = "timeout"
     oom = "oom"
     crash = "crash"  # the worker died: segfault, illegal memory access, os._exit, ...
@@ -62,9 +74,21 @@ class WorkloadTiming(BaseModel):
     reps: int
     speedup: float
     candidate_hidden_ms: float = 0.0
-    """Median time the candidate's work kept running on other streams (already counted)."""
+    """Kept for old stores; work on other streams now shows in `parent_ms`."""
     timing_kind: str = "cuda"
     """`cuda` (CUDA events) or `cpu` (host clock; never a GPU number)."""
+    noise_band: float = 0.0
+    """Relative A/A band: how far the original timed against itself moved between runs."""
+    parent_ms: float | None = None
+    """The candidate's time per call as the tuner's own clock bounds it (wall time of its runs
+    minus empty runs of the same shape): the claimed time may not be much below it."""
+    baseline_runs: list[float] = Field(default_factory=list)
+    """Median of each run of the original (the A/A samples behind `noise_band`)."""
+
+    @property
+    def verdict(self) -> str:
+        """`faster`, `slower` or `no change` (inside the noise band)."""
+        return verdict(self.speedup, self.noise_band)
 
 
 class Trial(BaseModel):
@@ -86,9 +110,13 @@ class Trial(BaseModel):
     tolerance: str = ""
     fresh_error: float | None = None
     """Same measure on fresh random inputs, against the original region run on them."""
+    workload_errors: dict[str, float] = Field(default_factory=dict)
+    """The error against the tolerance per workload (frozen input set)."""
     timings: list[WorkloadTiming] = Field(default_factory=list)
     speedup: float | None = None
     """Weighted over workloads: sum(w * baseline) / sum(w * candidate)."""
+    noise_band: float | None = None
+    """The weighted A/A noise band: a speedup within 1 +- this is `no change`, never a win."""
     flags: list[str] = Field(default_factory=list)
     device: str = "cpu"
     device_name: str = ""
@@ -104,3 +132,8 @@ class Trial(BaseModel):
     @property
     def ranked(self) -> bool:
         return self.status is Status.ok and self.speedup is not None
+
+    @property
+    def win(self) -> bool:
+        """Passed and faster beyond the noise band (only such a trial is ever integrated or applied)."""
+        return self.ranked and self.speedup > 1.0 + (self.noise_band or 0.0)

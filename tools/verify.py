@@ -27,6 +27,8 @@ class Verdict:
     error: float | None = None
     fresh_error: float | None = None
     flags: list[str] = field(default_factory=list)
+    per_set: list[float] = field(default_factory=list)
+    """The error compared with the tolerance, per frozen input set (one per workload)."""
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Diff:
         return tol.error(self.max_abs, self.ref_max)
 
 
-def diff(out: list[torch.Tensor | None], ref: list[torch.Tensor | None]) -> Diff:
+def diff(out: list[torch.Tensor | None] | None, ref: list[torch.Tensor | None]) -> Diff:
     """Worst absolute difference over all output tensors. Computed in float32 for 16-bit and
     32-bit outputs (a bf16 or fp16 difference is exact there) and float64 for float64."""
     max_abs, ref_max, bad = 0.0, 0.0, 0
@@ -109,30 +111,83 @@ def check_structure(meta: dict, ref: dict, device_type: str) -> str | None:
             return f"output {i} is on {m['device']}, expected {device_type}"
         if not dense(m["shape"], m["stride"]):
             return f"output {i} has strides {m['stride']} that overlap or leave gaps"
+        if m.get("requires_grad"):
+            return f"output {i} requires grad (the region's outputs do not)"
     return None
 
 
-def judge(problem: Problem, reference: list[dict], input_hashes: list[str], fresh_ref: list[list],
-          fresh_input_hashes: list[str], report: dict, runs: dict, device_type: str) -> Verdict:
-    """Decide a candidate's status from the worker's report and returned outputs."""
-    tol = problem.tolerance
-    for i, ref in enumerate(reference):
-        bad = check_structure(report["meta"][i], ref, device_type)
+@dataclass
+class Evidence:
+    """What the tuner holds to judge a candidate, none of it ever sent to a candidate worker."""
+
+    reference: list[dict]
+    """Frozen outputs per input set: {"structure", "outputs"}."""
+    effects: dict = field(default_factory=dict)
+    """From the reference worker: `mutates_inputs` (per set), `aliases` (per set, per output),
+    `post_inputs` (the inputs after the original's call, where it changes them)."""
+    fresh: list[list] = field(default_factory=list)
+    """The original's outputs on the fresh input sets of this trial, in the order asked."""
+    fresh_sets: list[int] = field(default_factory=list)
+    perturbed: list | None = None
+    """The original's outputs with perturbed parameters on frozen set `perturbed_set`."""
+    perturbed_set: int = 0
+
+
+def _alias_issue(meta: dict, original: list[dict] | None) -> str | None:
+    for j, m in enumerate(meta["outputs"]):
+        flags = m.get("aliases") or {}
+        allowed = (original or [{}] * (j + 1))[j] if original and j < len(original) else {}
+        for kind, what in (("input", "an input of the call"), ("param", "a parameter or buffer of the module"),
+                           ("earlier", "the output of an earlier call")):
+            if flags.get(kind) and not allowed.get(kind):
+                return f"output {j} shares memory with {what}"
+    return None
+
+
+def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type: str) -> Verdict:
+    """Decide a candidate's status from the worker's report, the outputs it returned, and the
+    evidence this process holds (frozen references, the reference worker's answers)."""
+    reference, effects = ev.reference, ev.effects or {}
+    metas = report["meta"]
+    for key, sets in (("a", range(len(reference))), ("b", range(len(reference)))):
+        for i in sets:
+            bad = check_structure(metas[key][i], reference[i], device_type)
+            if bad:
+                return Verdict(Status.shape, f"input set {i}: {bad}")
+    extra = [(f"fresh {ev.fresh_sets[k]}", m, reference[ev.fresh_sets[k]]) for k, m in enumerate(metas.get("fresh", []))]
+    extra += [("perturbed", m, reference[ev.perturbed_set]) for m in metas.get("perturbed", [])]
+    for label, m, ref in extra:
+        bad = check_structure(m, ref, device_type)
         if bad:
-            return Verdict(Status.shape, f"input set {i}: {bad}")
+            return Verdict(Status.shape, f"{label} inputs: {bad}")
+    aliases = effects.get("aliases") or []
+    for key in ("a", "b"):
+        for i, m in enumerate(metas[key]):
+            bad = _alias_issue(m, aliases[i] if i < len(aliases) else None)
+            if bad:
+                return Verdict(Status.aliased, f"input set {i}: {bad}")
+    for label, m, _ in extra:
+        bad = _alias_issue(m, aliases[0] if aliases else None)
+        if bad:
+            return Verdict(Status.aliased, f"{label} inputs: {bad}")
     if report["params_changed"]:
         return Verdict(Status.mutated_input, f"changed module tensors: {', '.join(report['params_changed'][:5])}")
-    n = len(reference)
-    changed = [i for i in range(n) if report["input_hashes"][i] != input_hashes[i]
-               or report["input_hashes"][n + i] != input_hashes[i]]
-    changed += [f"fresh {i}" for i, h in enumerate(report["fresh_input_hashes"]) if h != fresh_input_hashes[i]]
-    if changed:
-        return Verdict(Status.mutated_input, f"inputs changed by the call (input sets {changed})")
-    if report["tampered"]:
+    mutates = effects.get("mutates_inputs") or [False] * len(reference)
+    mutated = report.get("mutated") or {}
+    wrongly = [i for i in mutated.get("frozen", []) if not mutates[i]]
+    wrongly += [f"fresh {i}" for i in mutated.get("fresh", []) if not mutates[i]]
+    if wrongly:
+        return Verdict(Status.mutated_input, f"inputs changed by the call (input sets {wrongly})")
+    if report.get("late_writes"):
+        return Verdict(Status.late_write, "outputs changed after the call returned (calls "
+                       f"{', '.join(report['late_writes'][:3])}): written by a thread or a stream the call did not wait for")
+    if report.get("tampered"):
         return Verdict(Status.suspicious, "the candidate replaced functions of torch or the harness: "
                        + ", ".join(report["tampered"][:5]))
-    worst, worst_b = Diff(0, 0, 0), Diff(0, 0, 0)
+    worst, worst_tol, worst_b = Diff(0, 0, 0), problem.tolerance, Diff(0, 0, 0)
+    per_set: list[float] = []
     for i, ref in enumerate(reference):
+        tol = problem.tolerance_for(i)
         same = runs["b"][i] is runs["a"][i]  # the worker found the second run bit-identical
         a = diff(runs["a"][i], ref["outputs"])
         b = a if same else diff(runs["b"][i], ref["outputs"])
@@ -143,30 +198,84 @@ def judge(problem: Problem, reference: list[dict], input_hashes: list[str], fres
             return Verdict(Status.nan, f"input set {i}: {a.bad_nonfinite} outputs are NaN/inf where the reference is finite")
         if b.bad_nonfinite:
             return Verdict(Status.nondeterministic, f"input set {i}: NaN/inf in the second run only")
-        worst = max(worst, a, key=lambda d: d.error(tol))
-        worst_b = max(worst_b, b, key=lambda d: d.error(tol))
         ab = Diff(0.0, 0.0, 0) if same else diff(runs["a"][i], runs["b"][i])
         if ab.max_abs > 0 and tol.error(ab.max_abs, a.ref_max) > tol.value:
             return Verdict(Status.nondeterministic, f"input set {i}: two runs differ by {ab.max_abs:.3g} "
                            f"(tolerance {tol})", *_numbers(a, tol))
-    err = worst.error(tol)
-    if err > tol.value or not math.isfinite(err):
-        return Verdict(Status.wrong, f"error {err:.3g} > tolerance {tol}", *_numbers(worst, tol))
-    if worst_b.error(tol) > tol.value:
-        return Verdict(Status.nondeterministic, f"second run's error {worst_b.error(tol):.3g} > tolerance {tol}",
-                       *_numbers(worst, tol))
+        per_set.append(max(a.error(tol), b.error(tol)))
+        if a.error(tol) / max(tol.value, 1e-300) > worst.error(worst_tol) / max(worst_tol.value, 1e-300):
+            worst, worst_tol = a, tol
+        if b.error(tol) > tol.value:
+            worst_b = b
+        if a.error(tol) > tol.value or not math.isfinite(a.error(tol)):
+            return Verdict(Status.wrong, f"input set {i}: error {a.error(tol):.3g} > tolerance {tol}", *_numbers(a, tol))
+        if mutates[i] and effects.get("post_inputs") and runs.get("post_inputs"):
+            d = diff(_leaves(runs["post_inputs"][i]), _leaves(effects["post_inputs"][i]))
+            if d.bad_nonfinite or d.error(tol) > tol.value:
+                return Verdict(Status.wrong, f"input set {i}: what the call writes into its inputs differs from the "
+                               f"original's by {d.error(tol):.3g} (tolerance {tol})", *_numbers(a, tol))
+    if worst_b.error(worst_tol) > worst_tol.value:
+        return Verdict(Status.nondeterministic, f"second run's error {worst_b.error(worst_tol):.3g} > tolerance",
+                       *_numbers(worst, worst_tol))
     fresh_err = 0.0
-    for i, fref in enumerate(fresh_ref):
-        d = diff(runs["fresh"][i], fref)
-        if d.bad_nonfinite or len(runs["fresh"][i]) != len(fref):
-            fresh_err = math.inf
-            break
-        fresh_err = max(fresh_err, d.error(tol))
-    if fresh_err > tol.value:
-        return Verdict(Status.hardcoded, f"within tolerance on the frozen inputs but error {fresh_err:.3g} on "
-                       "fresh random inputs: the answer does not come from the inputs",
-                       *_numbers(worst, tol), fresh_error=fresh_err)
-    return Verdict(Status.ok, "within tolerance", *_numbers(worst, tol), fresh_error=fresh_err)
+    for k, fref in enumerate(ev.fresh):
+        i = ev.fresh_sets[k]
+        tol = problem.tolerance_for(i)
+        got = runs["fresh"][k] if k < len(runs.get("fresh", [])) else None
+        d = diff(got, fref) if got is not None and len(got) == len(fref) else None
+        scaled = _scaled(tol, d.ref_max if d else 0.0, reference[i])
+        err = math.inf if d is None or d.bad_nonfinite else d.error(scaled)
+        fresh_err = max(fresh_err, err)
+        if err > scaled.value:
+            return Verdict(Status.hardcoded, f"within tolerance on the frozen inputs but error {err:.3g} on fresh "
+                           f"inputs drawn from input set {i}: the answer does not come from the inputs",
+                           *_numbers(worst, worst_tol), fresh_error=err)
+    if ev.perturbed is not None:
+        i = ev.perturbed_set
+        tol = problem.tolerance_for(i)
+        got = (runs.get("perturbed") or [None])[0]
+        d = diff(got, ev.perturbed) if got is not None and len(got) == len(ev.perturbed) else None
+        scaled = _scaled(tol, d.ref_max if d else 0.0, reference[i])
+        err = math.inf if d is None or d.bad_nonfinite else d.error(scaled)
+        if err > scaled.value:
+            return Verdict(Status.hardcoded, f"within tolerance with the frozen parameters but error {err:.3g} with "
+                           "perturbed ones: the answer does not follow the module's parameters (one is ignored or "
+                           "assumed to be 1 or 0)", *_numbers(worst, worst_tol), fresh_error=fresh_err)
+    return Verdict(Status.ok, "within tolerance", *_numbers(worst, worst_tol), fresh_error=fresh_err, per_set=per_set)
+
+
+def judge_outputs(problem: Problem, set_index: int, got: list | None, expected: list) -> float:
+    """Error of one timed repetition's outputs against the original's on the same inputs."""
+    tol = problem.tolerance_for(set_index)
+    if got is None or len(got) != len(expected):
+        return math.inf
+    d = diff(got, expected)
+    return math.inf if d.bad_nonfinite else d.error(tol)
+
+
+def _scaled(tol: Tolerance, ref_max: float, frozen: dict) -> Tolerance:
+    """An absolute tolerance scaled to outputs whose magnitude moved with fresh values or
+    perturbed parameters (never tighter than as written)."""
+    if tol.kind != "abs":
+        return tol
+    frozen_max = max((float(t.abs().max()) for t in frozen["outputs"] if isinstance(t, torch.Tensor) and t.numel()
+                      and t.is_floating_point() and bool(torch.isfinite(t).all())), default=0.0)
+    if frozen_max <= 0 or ref_max <= frozen_max:
+        return tol
+    return Tolerance(kind="abs", value=tol.value * ref_max / frozen_max)
+
+
+def _leaves(x) -> list:
+    out = []
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            out += _leaves(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            out += _leaves(v)
+    return out
 
 
 def _numbers(d: Diff, tol: Tolerance) -> tuple[float, float, float]:

@@ -22,6 +22,7 @@ import torch
 
 from agent.budget import Budget
 from sandbox.client import WorkerConfig
+from sandbox.reference import ReferenceWorker
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Status, Trial
 
@@ -93,19 +94,22 @@ def workers_per_gpu(cores: int, gpus: int) -> int:
 
 class LocalExecutor:
     def __init__(self, slots: list[Slot], problem_dirs: list[Path], limits: Limits | None = None,
-                 triton_cache: str | None = None, memory_gb: float = 8.0, workers_per_device: int | None = None):
+                 memory_gb: float = 8.0, workers_per_device: int | None = None):
         """`workers_per_device` (default: `default_workers_per_gpu` on GPUs, 1 on the CPU): while
         one worker verifies or times on the device (under the device's lock), the others import
         and compile their next candidates and the tuner judges the last outputs, so the GPU does
-        not wait."""
+        not wait. Each device also gets one reference worker, shared by its runners, which never
+        runs candidate code (baselines, references for fresh inputs)."""
         self.slots, self.runners, self.lanes = slots, [], []
         locks = {s.device: threading.Lock() for s in slots if s.device != "cpu"}
+        self.references = {s.device: ReferenceWorker(WorkerConfig(device=s.device, memory_gb=memory_gb))
+                           for s in slots}
         gpus = len([s for s in slots if s.device != "cpu"])
         for s in slots:
             n = (workers_per_device or default_workers_per_gpu(gpus)) if s.device != "cpu" else 1
             for _ in range(n):
-                r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, triton_cache=triton_cache,
-                                                                memory_gb=memory_gb), device_lock=locks.get(s.device))
+                r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, memory_gb=memory_gb),
+                                device_lock=locks.get(s.device), reference=self.references[s.device])
                 for d in problem_dirs:
                     r.add_problem(d)
                 self.runners.append(r)
@@ -180,3 +184,5 @@ class LocalExecutor:
     def close(self) -> None:
         for r in self.runners:
             r.close()
+        for ref in self.references.values():
+            ref.close()

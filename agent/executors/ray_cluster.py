@@ -15,6 +15,7 @@ from typing import Any
 
 from agent.executors.local import workers_per_gpu
 from sandbox.runner import Limits
+from tools import seal
 from tools.trial import Candidate, Status, Trial
 
 GEN_PREFIX = "gen:"
@@ -127,6 +128,8 @@ def unpack_problems(packed: list[dict], root: Path) -> list[Path]:
         meta = json.loads((folder / "problem.json").read_text())
         meta["model_file"] = str(model_dir / p["model_name"])  # hashes cover the tensors, not this path
         (folder / "problem.json").write_text(json.dumps(meta, indent=2))
+        # Sealed again here: the tuner checked the run's seal when it packed these files.
+        seal.record(root, [f for f in folder.iterdir() if f.is_file()])
         folders.append(folder)
     return folders
 
@@ -140,6 +143,7 @@ class TrialActor:
                  memory_gb: float):
         import ray
         from sandbox.client import WorkerConfig
+        from sandbox.reference import ReferenceWorker
         from sandbox.runner import TrialRunner
         self.generation = generation
         self.device = "cuda:0" if gpu else "cpu"  # Ray made this actor's GPU its cuda:0
@@ -150,12 +154,12 @@ class TrialActor:
                       f"{self.device}@{self.node_id[:8]}" if gpu else f"cpu@{self.node_id[:8]}.{os.getpid()}")
         self.root = Path(tempfile.mkdtemp(prefix=f"nightshift-ray-{generation}-"))
         folders = unpack_problems(packed, self.root)
-        cache = os.path.join(tempfile.gettempdir(), "nightshift-triton-cache")  # per node, content-addressed
         lock = threading.Lock() if gpu else None
+        self.reference = ReferenceWorker(WorkerConfig(device=self.device, memory_gb=memory_gb))
         self.runners = []
         for _ in range(workers):
-            r = TrialRunner(self.device, limits, WorkerConfig(device=self.device, triton_cache=cache,
-                                                              memory_gb=memory_gb), device_lock=lock)
+            r = TrialRunner(self.device, limits, WorkerConfig(device=self.device, memory_gb=memory_gb),
+                            device_lock=lock, reference=self.reference)
             for f in folders:
                 r.add_problem(f)
             self.runners.append(r)
@@ -205,4 +209,5 @@ class TrialActor:
     def close(self) -> None:
         for r in self.runners:
             r.close()
+        self.reference.close()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -1,19 +1,22 @@
-"""How a kernel template could apply to a problem, from shapes and attributes alone.
+"""How a kernel template could apply to a problem, from what the region computes.
 
 A binding is a plain dict of template variables: which parameter plays which role
 (`gate_w`, `cos`, ...), which child to call, and constants (`eps`, `head_dim`, `act`). The
-rules here never read the region's source. Where shapes cannot tell two roles apart (gate vs
-up, k vs v, cos vs sin, which activation), every assignment is offered and the verifier's
-tolerance decides which one computes the same function. Names only *order* the guesses, so
-the likely one is tried first, and cap how many are kept.
+rules here never read the region's source. Where the freeze traced the region
+(`Problem.graph`, see `agent/planners/traced.py`), the trace says which parameter feeds which
+matmul, which activation follows it, where RoPE's tables and the mask come from. Otherwise,
+and where the trace cannot tell two roles apart, shapes decide: every assignment is offered
+and the verifier's tolerance decides which one computes the same function. Names only
+*order* the guesses, so the likely one is tried first, and cap how many are kept.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from itertools import permutations
+from itertools import permutations, product
 
+from agent.planners import traced
 from tools.problem import Problem, TensorSpec
 
 EPS_DEFAULTS = (1e-5, 1e-6)
@@ -94,6 +97,12 @@ def bias_for(problem: Problem, weight: str, n: int) -> str | None:
     return name if [n] in [p.shape for p in problem.parameters if p.name == name] else None
 
 
+def biases(problem: Problem, weight: str, n: int) -> list[str | None]:
+    """Who may be a weight's bias: its conventional neighbour, else any [n] vector; or none."""
+    named = bias_for(problem, weight, n)
+    return [named] if named else [p.name for p in problem.parameters if p.shape == [n]] + [None]
+
+
 def eps_candidates(problem: Problem, prefix: str = "") -> tuple[float, ...]:
     """Small positive float attributes of the module (or of child `prefix`), else the usual."""
     found = []
@@ -145,6 +154,10 @@ def layernorm(problem: Problem) -> list[dict]:
 
 
 def softmax(problem: Problem) -> list[dict]:
+    """No parameters, same shape in and out; where traced, a softmax is among its few ops."""
+    ops = traced.plain_ops(problem)
+    if ops is not None and not ({"softmax", "_softmax"} & ops and len(ops) <= 3):
+        return []
     return [{}] if same_shape_io(problem) is not None and not problem.parameters else []
 
 
@@ -166,13 +179,18 @@ def decoder_layer(problem: Problem) -> list[dict]:
             for e1 in eps_candidates(problem, n1):
                 for e2 in eps_candidates(problem, n2):
                     out.append({"norm1": n1, "norm1_w": norms[n1], "eps1": e1, "mixer1": m1,
-                                "norm2": n2, "norm2_w": norms[n2], "eps2": e2, "mixer2": m2})
+                                "norm2": n2, "norm2_w": norms[n2], "eps2": e2, "mixer2": m2,
+                                **traced.GENERIC})  # the template passes *args, **kwargs to mixer1
     return ranked(out)
 
 
 def gated_mlp(problem: Problem) -> list[dict]:
     """down(act(gate(x)) * up(x)): two [I, H] weights (either may be the gate) and one [H', I],
-    and no other matrices (a region holding more, like a whole decoder layer, is not an MLP)."""
+    and no other matrices (a region holding more, like a whole decoder layer, is not an MLP).
+    The traced graph names gate, up and the activation when it can; shapes guess otherwise."""
+    found = traced.gated_mlp(problem)
+    if found:
+        return found
     io = single_io(problem)
     if io is None:
         return []
@@ -198,6 +216,9 @@ def linear(problem: Problem) -> list[dict]:
     two_d = [p for p in problem.parameters if len(p.shape) == 2]
     if io is None or len(two_d) != 1 or two_d[0].shape != [io[1][-1], io[0][-1]]:
         return []
+    found = traced.linear(problem)
+    if found is not None:
+        return found
     n = io[1][-1]
     biases = [p.name for p in problem.parameters if p.shape == [n]] + [None]
     return ranked([{"weight": two_d[0].name, "bias": b, "act": act}
@@ -224,10 +245,42 @@ def _head_dims(problem: Problem, q_out: int, kv_out: int) -> list[int]:
             if d % 2 == 0 and q_out % d == 0 and kv_out % d == 0 and (q_out // d) % (kv_out // d) == 0]
 
 
+def mlp(problem: Problem) -> list[dict]:
+    """proj(act(fc(x))), from the traced graph (which weight comes first, nn.Linear's or
+    Conv1D's layout, the activation between), else from shapes: two matrices chaining
+    x [.., H] -> [.., I] -> [.., H'] in either layout, every activation guessed."""
+    found = traced.mlp(problem)
+    if found or (problem.graph or {}).get("matmuls") is not None:
+        return found
+    io = single_io(problem)
+    two_d = [p for p in problem.parameters if len(p.shape) == 2]
+    if io is None or len(two_d) != 2:
+        return []
+    h, h_out = io[0][-1], io[1][-1]
+    out = []
+    for w1, w2 in permutations(two_d, 2):
+        for l1, inner in (("linear", w1.shape[0] if w1.shape[1] == h else None),
+                          ("matmul", w1.shape[1] if w1.shape[0] == h else None)):
+            for l2, ok in (("linear", w2.shape == [h_out, inner]), ("matmul", w2.shape == [inner, h_out])):
+                if inner is None or not ok:
+                    continue
+                for act, b1, b2 in product(LINEAR_ACTS[1:], biases(problem, w1.name, inner),
+                                           biases(problem, w2.name, h_out)):
+                    out.append({"w1": w1.name, "b1": b1, "layout1": l1, "w2": w2.name, "b2": b2,
+                                "layout2": l2, "act": act})
+    return ranked(out)
+
+
 def attention(problem: Problem) -> list[dict]:
     """x [B, S, H] -> o_proj(SDPA(rope(q_proj x), rope(k_proj x), v_proj x)) with K/V heads
-    shared by groups of q heads, and rotary tables as [positions, head_dim] parameters/buffers;
-    the four weights and two tables are all the region's matrices."""
+    shared by groups of q heads. From the traced graph when it shows an SDPA call
+    (`traced.attention`: transformers' attention with position_embeddings and masks as
+    arguments, packed QKV, Conv1D layouts, q/k norms); else from shapes, with rotary tables
+    as [positions, head_dim] parameters/buffers and the four weights and two tables all the
+    region's matrices (the traced RoPE tables, when known, ordered first)."""
+    found = traced.attention(problem)
+    if found:
+        return found
     io = single_io(problem)
     if io is None or len(io[0]) != 3 or len(io[1]) != 3:
         return []
@@ -258,5 +311,13 @@ def attention(problem: Problem) -> list[dict]:
                                     "o_w": o.name, "o_b": bias_for(problem, o.name, h_out),
                                     "cos": cos, "sin": sin, "head_dim": hd,
                                     "num_heads": q_out // hd, "num_kv_heads": kv_out // hd,
-                                    "causal": c})
-    return ranked(out)
+                                    "causal": c, **SHAPE_ATTENTION})
+    rope = (problem.graph or {}).get("rope") or {}
+    traced_tables = (rope.get("cos", "").partition(":")[2], rope.get("sin", "").partition(":")[2])
+    return ranked(sorted(out, key=lambda b: (b["cos"], b["sin"]) != traced_tables))
+
+
+# What the shape rule's attention always is: separate nn.Linear projections, RoPE from the
+# module's own tables, no mask argument, SDPA's default scale, one tensor out.
+SHAPE_ATTENTION = {"packed": None, "packed_b": None, "in_layout": "linear", "o_layout": "linear",
+                   "q_norm": None, "k_norm": None, "rope": "module", "mask": None, "scale": None, "returns": "T"}

@@ -22,6 +22,7 @@ from functools import cache
 import jinja2
 
 from agent.planners import bindings as rules
+from agent.planners import traced
 from agent.prompting import prompts_dir
 from tools.problem import Problem
 
@@ -42,7 +43,10 @@ class KernelTemplate:
     """Whether a point of the space is worth compiling (shared memory, registers)."""
 
     def bindings(self, problem: Problem) -> list[dict]:
-        return [{**self.fixed, **b} for b in self.rule(problem)]
+        """Each rule's binding on top of how the candidate's forward is declared (the region's
+        own signature, its main input, the argument values it was verified on)."""
+        call = traced.call_vars(problem)
+        return [{**call, **self.fixed, **b} for b in self.rule(problem)]
 
     def sample(self, rng: random.Random) -> dict:
         """A random point of the space that `fits` (the default if none is found quickly)."""
@@ -118,6 +122,9 @@ _ALL = [
                    {**MATMUL_SPACE, "down": ("torch", "triton")}, rules.gated_mlp,
                    "Gated MLP: gate and up in one Triton GEMM with an act(g)*u epilogue.",
                    fits=_matmul_fits(2)),
+    KernelTemplate("mlp", "kernels/mlp.py.j2", MATMUL_SPACE, rules.mlp,
+                   "Two-layer MLP: the first GEMM in Triton with bias and activation in its epilogue, "
+                   "the second on cuBLAS (nn.Linear or Conv1D weights).", fits=_matmul_fits(1)),
     KernelTemplate("linear_act", "kernels/linear_act.py.j2",
                    {**MATMUL_SPACE, "BLOCK_N": (256, 128, 64, 32)}, rules.linear,
                    "Linear with bias and activation fused into a Triton GEMM's epilogue.",

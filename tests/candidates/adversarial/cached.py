@@ -1,4 +1,4 @@
-"""EXPECT: hardcoded -- computes the answer once per shape, then returns the cached result."""
+"""EXPECT: aliased -- computes the answer once per shape, then returns the same cached tensor every call."""
 _cache = {}
 
 

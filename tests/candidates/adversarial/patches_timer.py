@@ -1,16 +1,16 @@
 """EXPECT: suspicious -- replaces the harness's timing function to report itself fast."""
 from tools import timing
-from tools.timing import TimingStats
 
-_real = timing.time_pair
-
-
-def _fake(baseline, candidate, device, **kw):
-    base, _ = _real(baseline, baseline, device, **kw)
-    return base, TimingStats(base.median_ms / 100, base.p20_ms / 100, base.p80_ms / 100, base.reps)
+_real = timing.run_batch
 
 
-timing.time_pair = _fake
+def _fast(*args, **kwargs):
+    got = _real(*args, **kwargs)
+    got["samples"] = [x / 100 for x in got["samples"]]
+    return got
+
+
+timing.run_batch = _fast
 
 
 def forward(module, x):

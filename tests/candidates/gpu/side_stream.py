@@ -1,4 +1,4 @@
-"""EXPECT: not ok -- does the real work on a side stream and returns without making the
+"""EXPECT: uninitialized|late_write|wrong -- does the real work on a side stream and returns without making the
 caller's stream wait, so an event-timed benchmark would see almost nothing."""
 import torch
 

@@ -1,0 +1,136 @@
+"""What candidate code must leave as it found it, and the check that it did.
+
+A snapshot, taken in the worker before any candidate code runs and compared after each
+candidate phase, covers:
+
+- functions of torch, torch.nn.functional, Tensor (dunders included), Module, torch.cuda and
+  its Event, the C variable functions, `time`, `statistics`, `json`, `socket.socket`, the
+  harness's own modules (worker, protocol, verification runs, timing and tensor helpers), and
+  the region's own classes: by identity AND by code object, so a `__code__` swap shows as well
+  as a replaced attribute;
+- the dispatcher: the kernel table of the aten ops regions and the harness use most (a slow
+  `aten::rsqrt` registered through `torch.library` changes it; torch.compile's own
+  registrations do not), and torch function / dispatch modes left pushed;
+- global state a candidate could flip to change numerics or speed: default dtype, threads,
+  grad and inference mode, autocast, TF32 and reduced-precision flags, matmul precision,
+  cuDNN flags, deterministic mode, SDPA backends, denormal flushing;
+- profiling and tracing hooks (`sys.setprofile`, `sys.settrace`, and their threading forms).
+
+This runs in the candidate's own process, so it is a second line: what decides is outside
+it. The baseline is timed in a process that never runs candidate code, outputs are judged in
+the tuner, and claimed times are bounded by the tuner's own clock (sandbox/runner.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+HARNESS_OPS = ("aten::clone", "aten::copy_", "aten::empty.memory_format", "aten::empty_strided",
+               "aten::empty_like", "aten::fill_.Scalar", "aten::zero_", "aten::_to_copy", "aten::equal",
+               "aten::roll", "aten::mul.Tensor", "aten::add.Tensor", "aten::randn", "aten::normal_",
+               "aten::view", "aten::reshape", "aten::sub.Tensor", "aten::abs", "aten::max")
+
+
+def _spaces(classes: list[type]) -> dict[str, Any]:
+    import socket
+    import torch
+    import torch.nn.functional as F
+    from sandbox import protocol, verify_runs, worker_tensors
+    from tools import timing
+    spaces = {"torch": torch, "F": F, "Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase,
+              "Module": torch.nn.Module, "cuda": torch.cuda, "VF": torch._C._VariableFunctions,
+              "nn": torch._C._nn, "timing": timing, "time": time, "statistics": statistics,
+              "worker_tensors": worker_tensors, "Parameter": torch.nn.Parameter, "protocol": protocol,
+              "verify_runs": verify_runs, "socket": socket.socket, "json": __import__("json")}
+    worker = sys.modules.get("__main__")
+    if worker is not None and hasattr(worker, "Worker"):  # the running worker's own module and class
+        spaces["worker"], spaces["Worker"] = worker, worker.Worker
+    if hasattr(torch.cuda, "Event"):
+        spaces["cuda.Event"] = torch.cuda.Event
+    spaces.update({f"{c.__module__}.{c.__qualname__}": c for c in classes})
+    return spaces
+
+
+def _fingerprint(value: Any) -> tuple:
+    code = getattr(value, "__code__", None)
+    func = getattr(value, "__func__", None)  # classmethod / staticmethod wrappers
+    if code is None and func is not None:
+        code = getattr(func, "__code__", None)
+    return (id(value), id(code) if code is not None else 0)
+
+
+def functions(classes: list[type]) -> dict[str, tuple]:
+    snap = {}
+    for label, space in _spaces(classes).items():
+        raw = getattr(space, "__dict__", None)
+        # The raw namespace where there is one: bound methods are new objects on every access.
+        names = dict(raw) if raw is not None else {n: getattr(space, n, None) for n in dir(space)
+                                                  if not n.startswith("__")}
+        for name, value in names.items():
+            if name in ("__dict__", "__weakref__", "__doc__", "_abc_impl"):
+                continue
+            snap[f"{label}.{name}"] = _fingerprint(value)
+    return snap
+
+
+def dispatcher(ops: list[str]) -> dict[str, str]:
+    import torch
+    out = {}
+    for op in sorted(set(HARNESS_OPS) | set(ops)):
+        try:
+            table = torch._C._dispatch_dump(op)
+        except Exception:  # an op name this torch does not have
+            continue
+        out[f"dispatch {op}"] = hashlib.sha256(table.encode()).hexdigest()[:16]
+    out["torch function modes"] = str(torch._C._len_torch_function_stack())
+    out["torch dispatch modes"] = str(torch._C._len_torch_dispatch_stack())
+    return out
+
+
+def global_state() -> dict[str, str]:
+    import torch
+    b = torch.backends
+    state = {
+        "default dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
+        "grad enabled": torch.is_grad_enabled(), "inference mode": torch.is_inference_mode_enabled(),
+        "autocast": torch.is_autocast_enabled(), "matmul precision": torch.get_float32_matmul_precision(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "cudnn": (b.cudnn.enabled, b.cudnn.benchmark, b.cudnn.deterministic, b.cudnn.allow_tf32),
+        "cuda matmul tf32": b.cuda.matmul.allow_tf32,
+        "cuda fp16 reduced": b.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        "cuda bf16 reduced": b.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "sdpa": (b.cuda.flash_sdp_enabled(), b.cuda.mem_efficient_sdp_enabled(), b.cuda.math_sdp_enabled()),
+        # No getter exists for set_flush_denormal; a denormal that survives a multiply says it is off.
+        "denormals flushed": bool(torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() == 0.0),
+        "sys profile": repr(sys.getprofile()), "sys trace": repr(sys.gettrace()),
+        "threading profile": repr(getattr(threading, "_profile_hook", None)),
+        "threading trace": repr(getattr(threading, "_trace_hook", None)),
+    }
+    return {k: str(v) for k, v in state.items()}
+
+
+def snapshot(classes: list[type], ops: list[str]) -> dict[str, Any]:
+    return {**functions(classes), **dispatcher(ops), **global_state()}
+
+
+def changed(before: dict[str, Any], classes: list[type], ops: list[str]) -> list[str]:
+    """Names whose function, code, kernel table or state differs from `before`, and attributes
+    new on a class (a `Tensor.clone` set on torch.Tensor shadows the C method); sorted, capped.
+    New names in modules are fine: importing a submodule (torch._inductor) adds them."""
+    now = snapshot(classes, ops)
+    diff = [k for k, v in before.items() if now.get(k) != v]
+    spaces = _spaces(classes)
+    for k in now:
+        label, _, name = k.rpartition(".")
+        if k in before or not isinstance(spaces.get(label), type):
+            continue
+        # Python caches data on classes itself (copyreg's __slotnames__): new non-callable dunders are its.
+        if name.startswith("__") and not callable(spaces[label].__dict__.get(name)):
+            continue
+        diff.append(k)
+    return sorted(set(diff))[:20]

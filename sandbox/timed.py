@@ -1,0 +1,268 @@
+"""Timing a verified candidate against the original, with nothing taken on the worker's word.
+
+Per workload, under the device lock:
+
+    warm-up: a few repetitions of each side (sizes the runs)
+    for each round (the order alternates, so drift hits both sides alike):
+        the original, in the reference worker          -> its samples are trusted
+        the candidate, in its worker, on the same fresh inputs; the tuner's own clock around it
+        an empty run of the same shape in the reference worker, clock around it too
+        one repetition picked at random AFTER the run: its output, copied when it was timed,
+            against the original's on the same inputs (the reference worker computes it)
+
+- The candidate's claimed total may not be far below the tuner's clock (its run's wall time
+  minus the empty run's): a forged timer, patched statistics, a forged reply or work hidden
+  on another stream all show there. A run that drained (the host fell behind the device, so
+  the clock saw idle time) is run again with a longer lead before that is concluded.
+- The noise band is A/A: how far runs of the same code move (the original's runs against each
+  other, the candidate's, and the original run in the candidate's worker against the reference
+  worker's), stored with the result: a speedup inside it is no change.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+from tools import timing, verify
+from tools.trial import Candidate, Status, Trial, WorkloadTiming
+
+if TYPE_CHECKING:
+    from sandbox.client import Reply
+    from sandbox.runner import LoadedProblem, TrialRunner
+
+WARMUP_REPS = 3
+MIN_REPS = 5
+CLAIM_REL = {"cuda": 0.25, "cpu": 0.9}
+"""A claimed total may fall this far below the tuner's clock (relative; on the CPU the host's
+own per-call work and other processes' load sit in the clock's time too, so only a claim of
+under a tenth of it is refuted there)..."""
+CLAIM_ABS_MS = 1.0
+"""...plus this much, plus 2% of the empty run's wall time (its jitter)."""
+MAX_LEAD_MS = 2000.0
+
+
+class Refused(Exception):
+    def __init__(self, trial_kind: str, reason: str, reply: "Reply | None" = None):
+        super().__init__(reason)
+        self.kind, self.reason, self.reply = trial_kind, reason, reply
+
+
+def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dict) -> Trial:
+    lim, flags = r.limits, []
+    try:
+        timings = measure(r, lp, lim.budget_ms)
+        speedup = weighted_speedup(lp.problem, timings)
+        floor_hit = _below_floor(lp, timings)
+        if speedup > lim.retime_above or floor_hit:
+            timings = measure(r, lp, 2 * lim.budget_ms)
+            speedup, floor_hit = weighted_speedup(lp.problem, timings), _below_floor(lp, timings)
+            flags.append(f"speedup above {lim.retime_above:g}x: re-timed, {speedup:.2f}x")
+    except Refused as e:
+        if e.reply is not None:
+            return r._fail(c, lp, e.reply, **numbers)
+        if e.kind == "suspicious":
+            return r._suspicious(c, lp, e.reason, **numbers)
+        return Trial(**r._base(c, lp), status=Status(e.kind), reason=e.reason, **numbers)
+    band = weighted_band(lp.problem, timings)
+    if floor_hit:
+        return r._suspicious(c, lp, f"faster than the roofline floor on {floor_hit}: impossible, so not trusted",
+                             timings=timings, speedup=speedup, noise_band=band, flags=flags, **numbers)
+    return Trial(**r._base(c, lp), status=Status.ok, reason="within tolerance", timings=timings, speedup=speedup,
+                 noise_band=band, flags=flags, **numbers)
+
+
+def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[WorkloadTiming]:
+    out = []
+    for i, w in enumerate(lp.problem.workloads):
+        t0 = time.monotonic()
+        with r.device_lock:
+            out.append(_workload(r, lp, i, w.name, budget_ms))
+        r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
+    return out
+
+
+def _batch(worker: Any, req: dict, timeout: float) -> tuple["Reply", float]:
+    t0 = time.monotonic()
+    reply = worker.request({"op": "batch", **req}, timeout=timeout)
+    wall_ms = (time.monotonic() - t0) * 1e3
+    if not reply.ok:
+        raise Refused("crash", reply.error, reply)
+    return reply, wall_ms
+
+
+def _samples(reply: "Reply") -> list[float]:
+    xs = reply.header.get("samples")
+    if not isinstance(xs, list) or not all(isinstance(x, (int, float)) for x in xs):
+        raise Refused("suspicious", "the worker's timing reply is malformed")
+    return [float(x) for x in xs]
+
+
+def _lead_ms(reply: "Reply", reps: int) -> float:
+    """Device sleep before a run, long enough for the host to queue every repetition first."""
+    if reply.header.get("timing_kind") != "cuda":
+        return 0.0
+    n = max(1, len(_samples(reply)))
+    host = float(reply.header.get("host_ms", 0.0)) / n
+    dev = statistics.median(_samples(reply)) if n else 0.0
+    return min(MAX_LEAD_MS, 1.5 * reps * max(host - dev, 0.0) + 2.0)
+
+
+def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_ms: float) -> WorkloadTiming:
+    from sandbox.runner import seed
+    lim, p = r.limits, lp.problem
+    ref, cand = r.reference, r.worker
+    out_bytes = sum(t.numel() * t.element_size() for t in lp.reference[i]["outputs"] if t is not None)
+    s = seed()
+    wb, _ = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS}, lim.time_s)
+    wc, _ = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS}, lim.time_s)
+    est = statistics.median(_samples(wb)) + statistics.median(_samples(wc))
+    rounds = max(2, lim.rounds)
+    reps = int(max(MIN_REPS, min(lim.max_reps, budget_ms / rounds / max(est, 1e-3))))
+    lead_b, lead_c = _lead_ms(wb, reps), _lead_ms(wc, reps)
+    base_runs: list[list[float]] = []
+    cand_runs: list[list[float]] = []
+    parent: list[float] = []
+    aa: list[float] = []
+    for k in range(rounds):
+        s = seed()
+        sides = ("base", "cand") if k % 2 == 0 else ("cand", "base")
+        for side in sides:
+            if side == "base":
+                rb, _ = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": reps, "lead_ms": lead_b}, lim.time_s)
+                base_runs.append(_samples(rb))
+            else:
+                samples, bound, lead_c = _candidate_run(r, lp, i, s, reps, lead_c, out_bytes)
+                cand_runs.append(samples)
+                parent.append(bound)
+        _spot_check(r, lp, i, s, reps)
+        _tamper(r)
+        if k == 0:  # A/A across the two processes: the original in the candidate's worker
+            ctl, _ = _batch(cand, {"set": i, "seed": s, "reps": reps, "lead_ms": lead_b, "control": True}, lim.time_s)
+            aa.append(timing.stats(_samples(ctl)).median_ms / max(timing.stats(base_runs[-1]).median_ms, 1e-9))
+    base = timing.stats([x for run in base_runs for x in run])
+    cnd = timing.stats([x for run in cand_runs for x in run])
+    medians = [timing.stats(run).median_ms for run in base_runs]
+    kind = wb.header.get("timing_kind", "cpu")
+    # A/A: how far each side's runs move against themselves; the wider of the two bounds what
+    # a ratio of their medians can show without any real change.
+    band = max(timing.noise_band(medians, kind),
+               timing.noise_band([timing.stats(run).median_ms for run in cand_runs], kind),
+               *[abs(math.log(x)) for x in aa if x > 0 and math.isfinite(x)])
+    return WorkloadTiming(workload=name, baseline_ms=base.median_ms, candidate_ms=cnd.median_ms,
+                          baseline_spread=base.spread, candidate_spread=cnd.spread, reps=cnd.reps,
+                          speedup=base.median_ms / max(cnd.median_ms, 1e-9), timing_kind=kind,
+                          noise_band=band, parent_ms=statistics.median(parent),
+                          baseline_runs=medians)
+
+
+def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int, lead: float,
+                   out_bytes: int) -> tuple[list[float], float, float]:
+    """One timed run of the candidate, bounded by the tuner's clock: (samples, the clock's time
+    per call, the lead used). Drained runs are repeated with a longer lead, twice at most."""
+    lim, p = r.limits, lp.problem
+    for attempt in range(3):
+        n = _elements(lp, i)
+        rc, wall_c = _batch(r.worker, {"set": i, "seed": s, "reps": reps, "lead_ms": lead, "key_len": n}, lim.time_s)
+        re_, wall_e = _batch(r.reference, {"problem": p.name, "set": i, "seed": s, "reps": reps, "lead_ms": lead,
+                                           "empty": True, "pad_bytes": out_bytes, "key_len": n}, lim.time_s)
+        samples = _samples(rc)
+        sums = rc.header.get("checksums")
+        if len(samples) != reps or not isinstance(sums, list) or len(sums) != reps:
+            raise Refused("suspicious", f"the worker reported {len(samples)} timings for {reps} repetitions")
+        # The candidate's run does all the empty run does and more: an answer sooner is not its own
+        # (on the CPU, other processes' load moves both clocks, so only a gross gap counts).
+        kind = rc.header.get("timing_kind", "cpu")
+        if wall_c < (0.9 if kind == "cuda" else 0.25) * wall_e - CLAIM_ABS_MS:
+            raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than an empty run of the "
+                          f"same shape ({wall_e:.1f} ms): the reply was not produced by the run")
+        bound = max(0.0, wall_c - wall_e)
+        claimed = sum(samples)
+        rel = CLAIM_REL.get(kind, 0.75)
+        if claimed >= bound * (1 - rel) - CLAIM_ABS_MS - 0.02 * wall_e:
+            r.last_checksums = [float(x) for x in sums]
+            return samples, bound / reps, lead
+        if rc.header.get("timing_kind") == "cuda" and _drained(rc, re_) and attempt < 2:
+            lead = min(MAX_LEAD_MS, 4 * lead + 5.0)
+            continue
+        raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
+                      f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call): "
+                      "forged timings, or work its timing events do not cover (another stream)")
+    raise AssertionError("unreachable")
+
+
+def _drained(rc: "Reply", re_: "Reply") -> bool:
+    gc, ge = rc.header.get("gaps") or [], re_.header.get("gaps") or []
+    if not gc or not ge:
+        return False
+    return statistics.median(gc) > 1.5 * statistics.median(ge) + 0.005
+
+
+def _elements(lp: "LoadedProblem", i: int) -> int:
+    return max(1, sum(t.numel() for t in lp.reference[i]["outputs"] if t is not None))
+
+
+def _abs_sum(leaves: list) -> float:
+    return float(sum(t.double().abs().sum() for t in leaves if t is not None and t.numel()))
+
+
+def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int) -> None:
+    """One repetition of the last candidate run, picked now, against the original's answer and
+    against the checksum the run committed to when it replied."""
+    lim, p = r.limits, lp.problem
+    j = random.SystemRandom().randrange(reps)
+    kept = r.worker.request({"op": "kept", "indices": [j]}, timeout=lim.run_s)
+    if not kept.ok:
+        raise Refused("crash", kept.error, kept)
+    got = ((kept.tensors or {}).get("outputs") or [None])[0]
+    meta = (kept.header.get("meta") or [None])[0]
+    if got is None or not isinstance(meta, dict):
+        raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: no output was kept for it")
+    bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0])
+    if bad:
+        raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")
+    want = r.reference.request({"op": "refs", "problem": p.name, "fresh": [{"set": i, "seed": s + 1000003 * j}]},
+                               timeout=lim.run_s)
+    if not want.ok:
+        raise Refused("lost", f"the reference worker failed: {want.error}", want)
+    claimed = (getattr(r, "last_checksums", None) or [None] * reps)[j]
+    seen = float(timing.checksum(got, timing.checksum_key(_elements(lp, i), s, "cpu")))
+    if claimed is None or not math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3 + 1e-5 * _abs_sum(got)):
+        raise Refused("suspicious", f"timed repetition {j} on {p.workloads[i].name}: the output kept for it does not "
+                      "match the checksum the timed run reported (the run's outputs were not what was timed)")
+    err = verify.judge_outputs(p, i, got, want.tensors["fresh"][0])
+    tol = p.tolerance_for(i)
+    if not err <= tol.value:
+        raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: error {err:.3g} > tolerance {tol} "
+                      "(it behaves differently when timed, or caches answers)")
+
+
+def _tamper(r: "TrialRunner") -> None:
+    reply = r.worker.request({"op": "integrity"}, timeout=r.limits.run_s)
+    if not reply.ok:
+        raise Refused("crash", reply.error, reply)
+    if reply.header.get("tampered"):
+        raise Refused("suspicious", "the candidate replaced functions of torch or the harness during timing: "
+                      + ", ".join(reply.header["tampered"][:5]))
+
+
+def _below_floor(lp: "LoadedProblem", timings: list[WorkloadTiming]) -> list[str]:
+    return [t.workload for t in timings if t.timing_kind == "cuda"
+            and t.candidate_ms < 0.9 * lp.problem.floor_ms.get(t.workload, 0.0)]
+
+
+def weighted_speedup(problem, timings: list[WorkloadTiming]) -> float:
+    w = problem.weights
+    base = sum(w[t.workload] * t.baseline_ms for t in timings)
+    cand = sum(w[t.workload] * t.candidate_ms for t in timings)
+    return base / cand if cand > 0 else math.inf
+
+
+def weighted_band(problem, timings: list[WorkloadTiming]) -> float:
+    """The workloads' bands weighted by their share of the baseline time."""
+    w = problem.weights
+    total = sum(w[t.workload] * t.baseline_ms for t in timings)
+    return sum(w[t.workload] * t.baseline_ms * t.noise_band for t in timings) / total if total > 0 else 0.0

@@ -1,0 +1,151 @@
+"""The verification calls of a loaded candidate, in its worker (the `verify` op), and what is
+sent back for the tuner to judge (`verify_outputs`).
+
+Per frozen input set: a first call with fresh memory poisoned with NaN, a second with a
+finite sentinel (an output never written keeps one or the other); then one call per fresh
+input set drawn from the tuner's seed, and one call on a copy of the region whose parameters
+were moved by the tuner's seed (the reference worker computes the original's answers for
+both; this process never sees them). After each call, at once:
+
+- every output is copied through the dispatcher (`worker_tensors.snap`), so what is judged is
+  what the call returned, not what a thread or another stream writes there later; the output
+  itself is compared with its copy again one call later and at the end (a late write shows);
+- its type (a plain torch.Tensor only), layout, `requires_grad`, and whether it shares memory
+  with the call's inputs, the module's tensors or an earlier output are recorded;
+- the inputs and the module's tensors are compared with what they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+from sandbox import integrity
+from sandbox import worker_tensors as T
+
+LATE_WRITE_WAIT_S = 0.02
+
+
+def run(w: Any, req: dict) -> tuple[dict, Any]:
+    torch = w.torch
+    from sandbox.worker import COMPUTE_OPS
+    from tools.region import flatten
+    c, p = w._loaded()
+    fwd, module = c["forward"], c["module"]
+    n = len(p["inputs"])
+    sizes = req.get("output_bytes") or [[] for _ in range(n)]
+    runs: dict[str, Any] = {"a": [], "b": [], "fresh": [], "perturbed": []}
+    meta: dict[str, Any] = {"a": [], "b": [], "fresh": [], "perturbed": []}
+    post_inputs: list[Any] = []
+    mutated: dict[str, list[int]] = {"frozen": [], "fresh": []}
+    late: list[str] = []
+    pending: list[tuple[str, list, list]] = []  # the last calls' outputs and copies, still alive
+    param_spans = T.spans_of(list(T.tensors_map(module).values()))
+
+    def check_late(keep: int) -> None:
+        while len(pending) > keep:
+            label, leaves, copies = pending.pop(0)
+            w._sync()
+            if any(cp is not None and not T.same_bits(t, cp) for t, cp in zip(leaves, copies)):
+                late.append(label)
+
+    def call(label: str, mod: Any, args: list, kwargs: dict, poison: float | None, size: list[int]) -> None:
+        key = label.split()[0]
+        if poison is not None:
+            _poison(w, poison, size)
+        in_spans = T.spans_of([args, kwargs])
+        earlier = [T.span(t) for _, leaves, _ in pending for t in leaves if isinstance(t, torch.Tensor)]
+        fill = T.fill_uninitialized(torch, math.isnan(poison)) if poison is not None else contextlib.nullcontext()
+        with fill:
+            out = w._call(lambda: fwd(mod, *args, **kwargs), "run")
+            # Copied on the current stream at once: work left on a side stream is a race here.
+            leaves, structure = flatten(out)
+            copies = [T.snap(t) if T.is_plain(t) else None for t in leaves]
+        w._sync()
+        desc = [T.describe(t) for t in leaves]
+        for d, t in zip(desc, leaves):
+            if d.get("kind") == "tensor" and t.numel():
+                d["aliases"] = {"input": T.shares_memory(t, in_spans), "param": T.shares_memory(t, param_spans),
+                                "earlier": T.shares_memory(t, earlier)}
+        runs[key].append([None if cp is None else T.plain_tensor(cp) for cp in copies])
+        meta[key].append({"structure": structure, "outputs": desc})
+        pending.append((label, leaves, copies))
+        check_late(keep=2)  # bounded memory: outputs stay alive two calls, enough to see reuse
+
+    with torch.no_grad():
+        for i in range(n):
+            args, kwargs = w._device_set(p, i)
+            call(f"a {i}", module, args, kwargs, float("nan"), sizes[i])
+            if _changed(T.host({"args": args, "kwargs": kwargs}), p["inputs"][i]):
+                mutated["frozen"].append(i)
+            post_inputs.append(T.host({"args": args, "kwargs": kwargs}) if req.get("effects", [False] * n)[i] else None)
+            args, kwargs = w._device_set(p, i)
+            call(f"b {i}", module, args, kwargs, T.fill_uninitialized.SENTINEL, sizes[i])
+            if _changed(T.host({"args": args, "kwargs": kwargs}), p["inputs"][i]) and i not in mutated["frozen"]:
+                mutated["frozen"].append(i)
+        for item in req.get("fresh", []):
+            base = w._device_set(p, item["set"])
+            args, kwargs = T.vary_set(*base, int(item["seed"]))
+            call(f"fresh {item['set']}", module, args, kwargs, None, [])
+            again = T.vary_set(*base, int(item["seed"]))
+            if _changed(T.host([args, kwargs]), T.host([again[0], again[1]])):
+                mutated["fresh"].append(item["set"])
+        moved = None
+        if req.get("perturb"):
+            spec = req["perturb"]
+            moved = T.perturbed(p["region"], int(spec["seed"]))
+            args, kwargs = w._device_set(p, spec["set"])
+            call("perturbed", moved, args, kwargs, None, [])
+        check_late(keep=0)
+        time.sleep(LATE_WRITE_WAIT_S)  # a thread writing after return shows in the copies above
+    changed = _module_changes(torch, p["region"], module)
+    if moved is not None:
+        changed += [f"(perturbed copy) {n_}" for n_ in _module_changes(torch, T.perturbed(p["region"], int(req["perturb"]["seed"])), moved)]
+    header = {"meta": meta, "params_changed": changed, "mutated": mutated, "late_writes": late,
+              "tampered": integrity.changed(w.snapshot, w.classes, list(COMPUTE_OPS))}
+    w.verified = (header, runs, post_inputs)
+    return {}, None
+
+
+def outputs(w: Any) -> tuple[dict, Any]:
+    """What the last `verify` saw, for the tuner to judge. A second call bit-identical to the
+    first (the usual case) is not sent again."""
+    if w.verified is None:
+        return {"ok": False, "error": "no verification to report"}, None
+    header, runs, post_inputs = w.verified
+    w.verified = None
+    same = [i for i, (a, b) in enumerate(zip(runs["a"], runs["b"])) if T.identical(a, b)]
+    runs["b"] = [None if i in same else b for i, b in enumerate(runs["b"])]
+    return {**header, "b_same": same}, {**runs, "post_inputs": post_inputs}
+
+
+def _changed(now: Any, before: Any) -> bool:
+    import torch
+    if isinstance(now, torch.Tensor):
+        return not (isinstance(before, torch.Tensor) and now.shape == before.shape and now.dtype == before.dtype
+                    and T.same_bits(now, before.to(now.device)))
+    if isinstance(now, dict):
+        return not isinstance(before, dict) or now.keys() != before.keys() or any(_changed(now[k], before[k]) for k in now)
+    if isinstance(now, (list, tuple)):
+        return not isinstance(before, (list, tuple)) or len(now) != len(before) or any(
+            _changed(a, b) for a, b in zip(now, before))
+    return False
+
+
+def _module_changes(torch, pristine: Any, used: Any) -> list[str]:
+    orig, now = T.tensors_map(pristine), T.tensors_map(used)
+    return [n for n in orig if n not in now or now[n].shape != orig[n].shape or not T.same_bits(now[n], orig[n])]
+
+
+def _poison(w: Any, value: float, sizes: list[int]) -> None:
+    """Fill freed memory so outputs never written keep this value, not old data: blocks of
+    each output's size are filled and freed, so the allocator hands them out next."""
+    torch = w.torch
+    blocks = [torch.full((max(1, n // 4),), value, dtype=torch.float32, device=w.device)
+              for n in sizes for _ in range(4)]
+    if w.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        blocks.append(torch.full((min(free // 4, 1 << 30) // 4,), value, dtype=torch.float32, device=w.device))
+    del blocks

@@ -1,0 +1,8 @@
+"""EXPECT: hardcoded -- computes the answer once per shape, then returns a new copy of it every call."""
+_cache = {}
+
+
+def forward(module, x):
+    if x.shape not in _cache:
+        _cache[x.shape] = type(module).forward(module, x).clone()
+    return _cache[x.shape].clone()

@@ -1,0 +1,83 @@
+"""transformers' own attention, MLP and norm modules (Llama, Qwen2, Qwen3, Mistral, GPT-2,
+random weights from small configs) get template candidates that the sandbox's verifier
+passes, under the Triton interpreter on the CPU in fp32.
+
+These regions are called the way transformers calls them: keyword arguments,
+`position_embeddings=(cos, sin)`, `attention_mask=None`, `cache=None`, Conv1D weights in
+GPT-2. The bindings come from the traced graph (which weight feeds which matmul, where cos
+and sin come from), not from attribute names.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.planners.library import applicable, default_params, render
+from sandbox.runner import TrialRunner
+from tools.capture import RegionChoice, freeze
+from tools.modelfile import load_model
+from tools.trial import Candidate, Status
+
+SET = Path(__file__).resolve().parents[1] / "tests" / "problems"
+REGIONS = {
+    "hf_llama": ("LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "hf_qwen2": ("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+    "hf_qwen3": ("Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),
+    "hf_mistral": ("MistralAttention", "MistralMLP", "MistralRMSNorm"),
+    "hf_gpt2": ("GPT2Attention", "GPT2MLP", "LayerNorm"),
+}
+EXPECTED = {"Attention": "gqa_attention", "MLP": ("gated_mlp", "mlp"), "RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
+TRIES = 4
+
+
+@pytest.fixture(scope="module")
+def regions(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "problems"
+    problems = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for stem, classes in REGIONS.items():
+            loaded = load_model(SET / f"{stem}.py", "cpu")
+            frozen, skipped = freeze(loaded, [RegionChoice(c) for c in classes], folder, torch.device("cpu"))
+            assert not skipped, skipped
+            problems.update({(stem, p.region_class): p for p in frozen})
+    runner = TrialRunner("cpu")
+    for p in problems.values():
+        runner.add_problem(folder / p.name)
+    yield problems, runner
+    runner.close()
+
+
+@pytest.mark.parametrize("stem, region", [(s, c) for s, cs in REGIONS.items() for c in cs])
+def test_a_template_candidate_passes(regions, stem, region):
+    problems, runner = regions
+    problem = problems[(stem, region)]
+    offered = applicable(problem)
+    kind = next(v for k, v in EXPECTED.items() if region.endswith(k))
+    assert any(t.name in ((kind,) if isinstance(kind, str) else kind) for t, _ in offered), \
+        [t.name for t, _ in offered]
+    tried = []
+    for template, binding in offered[:TRIES]:
+        trial = runner.run(Candidate(region=problem.name, source=render(template, binding, default_params(template)),
+                                     planner="template", template=template.name), do_time=False)
+        tried.append((template.name, trial.status.value, trial.reason[:200]))
+        if trial.status is Status.ok:
+            return
+    pytest.fail(f"no template candidate passed for {stem} {region}: {tried}")
+
+
+def test_attention_bindings_come_from_the_trace(regions):
+    problems, _ = regions
+    llama = [b for t, b in applicable(problems[("hf_llama", "LlamaAttention")]) if t.name == "gqa_attention"]
+    assert llama[0]["rope"] == "arg" and llama[0]["cos"] == "position_embeddings[0]"
+    assert (llama[0]["q_w"], llama[0]["o_w"]) == ("q_proj.weight", "o_proj.weight")
+    assert ["cache", "None"] in llama[0]["guards"]  # verified without a cache: refuses one
+    assert "hidden_states, position_embeddings=None" in llama[0]["signature"]
+    gpt2 = [b for t, b in applicable(problems[("hf_gpt2", "GPT2Attention")]) if t.name == "gqa_attention"][0]
+    assert (gpt2["packed"], gpt2["in_layout"], gpt2["rope"]) == ("c_attn.weight", "matmul", "none")
+    qwen3 = [b for t, b in applicable(problems[("hf_qwen3", "Qwen3Attention")]) if t.name == "gqa_attention"][0]
+    assert (qwen3["q_norm"], qwen3["k_norm"]) == ("q_norm", "k_norm")

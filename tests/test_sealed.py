@@ -1,0 +1,164 @@
+"""The pieces under the sealed verdict, each on its own: the run's seal, the jail's command
+line and what it hides, the integrity snapshot, the wire's nonce and file passing, and the
+seeded draws that two workers must agree on bit for bit."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from sandbox import integrity, jail, protocol
+from sandbox import worker_tensors as T
+from tools import seal
+from tools.problem import Problem, ProblemError
+
+
+def test_an_edited_tolerance_or_deleted_seal_is_an_error_never_a_looser_run(frozen_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(frozen_run.parent, run)
+    folder = run / "problems" / "LlamaRMSNorm"
+    assert Problem.load(folder).tolerance.value < 1
+    data = json.loads((folder / "problem.json").read_text())
+    data["tolerance"] = {"kind": "abs", "value": 1000.0}
+    (folder / "problem.json").write_text(json.dumps(data))
+    with pytest.raises(ProblemError, match="changed since it was frozen"):
+        Problem.load(folder)
+    (run / "seal.json").unlink()
+    with pytest.raises(ProblemError, match="no seal.json"):
+        Problem.load(folder)
+
+
+def test_the_seal_records_every_frozen_file(frozen_run):
+    recorded = json.loads((frozen_run.parent / "seal.json").read_text())
+    for name in ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention"):
+        for f in ("problem.json", "inputs.pt", "reference.pt", "state.pt"):
+            path = frozen_run / name / f
+            assert recorded[f"problems/{name}/{f}"] == seal.file_hash(path)
+
+
+@pytest.mark.skipif(jail.describe().kind != "bubblewrap", reason="bubblewrap is not usable here")
+def test_the_jail_hides_homes_runs_and_git_and_keeps_python(tmp_path):
+    runs = tmp_path / "runs" / "r1"
+    runs.mkdir(parents=True)
+    (runs / "reference.pt").write_text("secret")
+    model = tmp_path / "models" / "m.py"
+    model.parent.mkdir()
+    model.write_text("x = 1\n")
+    probe = ("import os, sys, torch; print(os.path.exists(%r), os.path.exists(%r), os.access(%r, os.W_OK), "
+             "os.path.exists(%r), os.getuid() != 0 or os.geteuid() != 0)"
+             % (str(runs / "reference.pt"), str(model), str(model), os.path.expanduser("~/.bashrc")))
+    argv, iso, inside = jail.wrap([sys.executable, "-c", probe], hide=[runs], model_files=[model], gpu=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    run_visible, model_visible, model_writable, home_visible, _ = done.stdout.split()
+    assert (run_visible, model_visible, model_writable, home_visible) == ("False", "True", "False", "False")
+    assert iso.kind == "bubblewrap" and inside == jail.WORKDIR
+
+
+def test_integrity_sees_code_swaps_dispatcher_overrides_hooks_and_global_flags():
+    classes = [torch.nn.LayerNorm]
+    before = integrity.snapshot(classes, ["aten::rsqrt"])
+    assert integrity.changed(before, classes, ["aten::rsqrt"]) == []
+
+    def slow(self, x):
+        return x
+    real_code = torch.nn.LayerNorm.forward.__code__
+    torch.nn.LayerNorm.forward.__code__ = slow.__code__
+    try:
+        assert "torch.nn.modules.normalization.LayerNorm.forward" in integrity.changed(before, classes, [])
+    finally:
+        torch.nn.LayerNorm.forward.__code__ = real_code
+
+    sys.setprofile(lambda *a: None)
+    try:
+        assert "sys profile" in integrity.changed(before, classes, [])
+    finally:
+        sys.setprofile(None)
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = not old
+    try:
+        assert "cuda matmul tf32" in integrity.changed(before, classes, [])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("rsqrt", lambda x: torch.ops.aten.sqrt(x).reciprocal(), "CPU")
+    try:
+        assert "dispatch aten::rsqrt" in integrity.changed(before, classes, ["aten::rsqrt"])
+    finally:
+        lib._destroy()
+    assert integrity.changed(before, classes, ["aten::rsqrt"]) == []
+
+
+def test_a_reply_must_echo_its_request_nonce_and_files_travel_as_descriptors(tmp_path):
+    from sandbox.client import Worker, WorkerConfig
+    a, b = socket.socketpair()
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"frozen bytes")
+    with open(path, "rb") as f:
+        protocol.send(a, {"op": "problem"}, fds=[f.fileno()])
+    header, _ = protocol.recv(b, timeout=5, accept_fds=True)
+    with os.fdopen(header["_fds"][0], "rb") as got:
+        assert got.read() == b"frozen bytes"
+    # The tuner's side never accepts descriptors from a worker.
+    with open(path, "rb") as f:
+        protocol.send(b, {"ok": True}, fds=[f.fileno()])
+    with pytest.raises(protocol.ChannelClosed, match="file descriptors"):
+        protocol.recv(a, timeout=5)
+
+    # A frame written ahead of time (no nonce) is not taken as the answer.
+    w = Worker(WorkerConfig())
+    parent, child = socket.socketpair()
+    w.sock, w.proc = parent, subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        protocol.send(child, {"ok": True, "samples": [1e-6]})
+        reply = w.request({"op": "batch"}, timeout=5)
+        assert not reply.ok and reply.status == "suspicious" and "does not answer the request" in reply.error
+    finally:
+        w.kill()
+        child.close()
+
+
+def test_fresh_inputs_and_perturbed_parameters_are_the_same_in_every_process():
+    x = torch.randn(4, 16)
+    a1, k1 = T.vary_set([x], {"mask": torch.ones(4, dtype=torch.bool)}, 1234)
+    a2, k2 = T.vary_set([x.clone()], {"mask": torch.ones(4, dtype=torch.bool)}, 1234)
+    assert torch.equal(a1[0], a2[0]) and not torch.equal(a1[0], x) and torch.equal(k1["mask"], k2["mask"])
+    assert sorted(a1[0].flatten().tolist()) != sorted(x.flatten().tolist())  # jittered, not only rolled
+    ln = torch.nn.LayerNorm(16)
+    p1, p2 = T.perturbed(ln, 99), T.perturbed(ln, 99)
+    assert torch.equal(p1.weight, p2.weight) and torch.equal(p1.bias, p2.bias)
+    assert (p1.weight > 0).all() and not torch.equal(p1.weight, ln.weight) and p1.bias.abs().max() > 0.05
+    assert torch.equal(ln.weight, torch.ones(16))  # the original is untouched
+    # The checksum a timed run commits to is the same on any device and needs the outputs.
+    from tools.timing import checksum, checksum_key
+    out = torch.randn(3, 5)
+    key = checksum_key(15, 7, torch.device("cpu"))
+    assert set(key.unique().tolist()) == {-1.0, 1.0}
+    assert float(checksum([out], key)) == pytest.approx(float((out.abs().flatten() * key).sum()))
+
+
+def test_a_plain_tensor_is_a_torch_tensor_with_nothing_shadowing_its_methods():
+    t = torch.zeros(3)
+    assert T.is_plain(t)
+    t.clone = lambda: torch.ones(3)
+    assert not T.is_plain(t)
+    u = torch.zeros(3)
+    u._dynamo_dynamic_indices = {0}  # torch.compile's own annotation is fine
+    assert T.is_plain(u)
+
+    class Sub(torch.Tensor):
+        pass
+    assert not T.is_plain(torch.zeros(3).as_subclass(Sub))
+    assert T.same_bits(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+    assert not T.same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    base = torch.zeros(8)
+    assert T.shares_memory(base[2:5], T.spans_of([base])) and not T.shares_memory(torch.zeros(8), T.spans_of([base]))

@@ -1,0 +1,173 @@
+"""Honest work is never rejected, and parameters that happen to be ones and zeros are no loophole.
+
+- The region's own forward and plain-torch rewrites pass on nn.Linear, nn.LayerNorm, nn.Conv2d
+  and whole-Model regions (the harness imports what it uses, torch._dynamo included, before
+  its integrity snapshot, and torch.compile's own installs are not tampering).
+- A randomly initialised LayerNorm has weight 1 and bias 0: a candidate that ignores either is
+  right on the frozen and fresh inputs, and wrong with the perturbed parameters.
+- An unchanged region timed against itself reads "no change" (inside its A/A noise band), and
+  is never a win.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sandbox.runner import Limits, TrialRunner
+from tools.capture import RegionChoice, freeze, freeze_model
+from tools.modelfile import load_model
+from tools.trial import Candidate, Status
+
+MODELS = Path(__file__).parent / "models"
+OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+REWRITES = {
+    "Linear": ["import torch.nn.functional as F\n\ndef forward(module, x):\n    return F.linear(x, module.weight, module.bias)\n",
+               "def forward(module, x):\n    return x @ module.weight.t() + module.bias\n"],
+    "LayerNorm": [
+        "import torch.nn.functional as F\n\ndef forward(module, x):\n"
+        "    return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)\n",
+        "import torch\n\ndef forward(module, x):\n    m = x.mean(-1, keepdim=True)\n"
+        "    v = (x - m).pow(2).mean(-1, keepdim=True)\n"
+        "    return (x - m) * torch.rsqrt(v + module.eps) * module.weight + module.bias\n"],
+    "Conv2d": ["import torch.nn.functional as F\n\ndef forward(module, x):\n"
+               "    return F.conv2d(x, module.weight, module.bias, module.stride, module.padding, module.dilation,"
+               " module.groups)\n"],
+}
+IGNORES = {  # right while the LayerNorm's weight is 1 and its bias 0, and only then
+    "weight": "import torch.nn.functional as F\n\ndef forward(module, x):\n"
+              "    return F.layer_norm(x, module.normalized_shape, None, module.bias, module.eps)\n",
+    "bias": "import torch.nn.functional as F\n\ndef forward(module, x):\n"
+            "    return F.layer_norm(x, module.normalized_shape, module.weight, None, module.eps)\n",
+}
+CASES = [("tiny_mlp.py", "Linear"), ("layernorm_gelu.py", "LayerNorm"), ("conv_relu.py", "Conv2d")]
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory):
+    """Each model's region and the whole model, frozen on the CPU."""
+    out = {}
+    for model_file, cls in CASES:
+        run = tmp_path_factory.mktemp(cls)
+        loaded = load_model(MODELS / model_file, "cpu")
+        problems, skipped = freeze(loaded, [RegionChoice(cls)], run / "problems", torch.device("cpu"))
+        assert not skipped, skipped
+        freeze_model(loaded, run / "model", torch.device("cpu"))
+        out[cls] = (run / "problems" / problems[0].name, run / "model")
+    return out
+
+
+@pytest.mark.parametrize("model_file,cls", CASES, ids=[c for _, c in CASES])
+def test_own_forward_and_plain_rewrites_pass_on_torch_regions_and_the_whole_model(frozen, model_file, cls):
+    region, whole = frozen[cls]
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(region)
+        runner.add_problem(whole)
+        for source in [OWN, *REWRITES[cls]]:
+            trial = runner.run(Candidate(region=region.name, source=source), do_time=False)
+            assert trial.status is Status.ok, (cls, trial.status, trial.reason, trial.error_text[-600:])
+        trial = runner.run(Candidate(region="model", source=OWN), do_time=False)
+        assert trial.status is Status.ok, ("whole model", trial.status, trial.reason, trial.error_text[-600:])
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("ignored", sorted(IGNORES))
+def test_ignoring_a_parameter_that_is_one_or_zero_is_caught(frozen, ignored):
+    region, _ = frozen["LayerNorm"]
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(region)
+        trial = runner.run(Candidate(region=region.name, source=IGNORES[ignored]), do_time=False)
+        assert trial.status is Status.hardcoded, (trial.status, trial.reason)
+        assert "perturbed" in trial.reason and trial.error is not None and trial.error <= 1e-4
+    finally:
+        runner.close()
+
+
+WIDE_NORM = """import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(2048)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def get_init_inputs():
+    return []
+
+
+def get_inputs():
+    return [torch.randn(128, 2048)]
+"""
+
+
+def test_an_unchanged_region_reads_no_change_and_is_never_a_win(tmp_path):
+    """A region big enough (about a millisecond on one CPU thread) that calling its forward through
+    a candidate costs nothing measurable: timed against itself, inside its A/A band."""
+    (tmp_path / "wide_norm.py").write_text(WIDE_NORM)
+    loaded = load_model(tmp_path / "wide_norm.py", "cpu")
+    problems, _ = freeze(loaded, [RegionChoice("LayerNorm")], tmp_path / "run" / "problems", torch.device("cpu"))
+    runner = TrialRunner("cpu", Limits(budget_ms=100, max_reps=40))
+    try:
+        runner.add_problem(tmp_path / "run" / "problems" / problems[0].name)
+        trial = runner.run(Candidate(region=problems[0].name, source=OWN))
+    finally:
+        runner.close()
+    assert trial.status is Status.ok, trial.reason
+    assert trial.noise_band is not None and trial.noise_band > 0
+    assert all(t.noise_band > 0 and len(t.baseline_runs) >= 2 and t.parent_ms is not None for t in trial.timings)
+    assert [t.verdict for t in trial.timings] == ["no change"], [(t.speedup, t.noise_band) for t in trial.timings]
+    assert not trial.win
+
+
+def test_tune_with_cheats_among_good_candidates_keeps_only_the_good_ones(tmp_path):
+    """`agent tune --planner files`, an inbox of one honest candidate and cheats of every kind
+    the verdict defends against: the run completes, only the honest one is kept, and the report
+    names it as the best."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from agent.jobs import profile_and_freeze
+    root = Path(__file__).resolve().parent.parent
+    res = profile_and_freeze(MODELS / "tiny_rmsnorm.py", "cpu", None, tmp_path / "runs")
+    inbox = res.run.inbox / "RMSNorm"
+    inbox.mkdir(parents=True)
+    honest = "import torch\n\ndef forward(module, x):\n    xf = x.float()\n" \
+             "    return module.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)\n"
+    (inbox / "honest.py").write_text(honest)
+    cheats = ["timed_call_counter", "content_cache", "late_thread_write", "patches_timer", "forges_reply",
+              "clone_override", "reuses_output_buffer"]
+    for name in cheats:
+        (inbox / f"{name}.py").write_text((root / "tests/candidates/adversarial" / f"{name}.py").read_text())
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "agent", "tune", "--resume", str(res.run.path), "--planner", "files",
+                           "--devices", "cpu", "--max-candidates", "20", "--no-integrate", "--json"],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=900)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    store = res.run.store()
+    trials = {Path(t.candidate_path).name if t.candidate_path else t.candidate_hash: t for t in store.trials()}
+    store.close()
+    by_note = {}
+    for t in trials.values():
+        source = Path(t.candidate_path).read_text() if t.candidate_path else ""
+        name = next((n for n in ["honest", *cheats] if source == (inbox / f"{n}.py").read_text()), "?")
+        by_note[name] = t
+    assert set(by_note) == {"honest", *cheats}, sorted(by_note)
+    assert by_note["honest"].status is Status.ok, by_note["honest"].reason
+    for name in cheats:
+        assert by_note[name].status is not Status.ok, (name, by_note[name].reason)
+    summary = json.loads(done.stdout)
+    assert summary["trials"] == len(cheats) + 1
+    report = (res.run.path / "report.md").read_text()
+    assert by_note["honest"].candidate_hash in report
+    for name in cheats:
+        assert f"candidates/{by_note[name].candidate_hash}.py" not in report.split("## ")[0]

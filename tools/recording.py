@@ -1,0 +1,128 @@
+"""Recording a region's calls faithfully, as plain data the tuner can load with
+`torch.load(weights_only=True)`.
+
+A region is replayed exactly as the model called it: positional arguments stay positional,
+keyword arguments stay keywords (transformers' layers call `self_attn(hidden_states=...,
+position_embeddings=(cos, sin), attention_mask=None, ...)`), tuples stay tuples, None stays
+None, and numbers, strings, dtypes and devices are kept as they are.
+
+Anything else is not plain data and is frozen as **absent** (None), with a note: a cache
+object (transformers' `DynamicCache`), a module, a function, a config. The freeze then
+rebuilds the region alone and runs it on the frozen arguments; when that no longer gives the
+captured outputs (a cache that already holds keys, a callback that matters), the region is
+skipped and the reason names the argument. Models run with `use_cache=False` pass no cache
+at all. Named tuples become plain tuples and dict subclasses plain dicts, the same check
+deciding whether that matters.
+
+Memory: on a device, tensors are copied to the host once. On the CPU a tensor that covers
+its whole storage is shared, not copied, unless the model changes it in place after the
+call (its version counter moves): that workload is then recorded again with copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tools.footprint import Admission
+
+PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+class Recorder:
+    """Turns one call's arguments and outputs into plain data, noting what was dropped."""
+
+    def __init__(self, share: bool):
+        self.share = share
+        self.notes: list[str] = []
+        self.shared: list[tuple[torch.Tensor, int]] = []
+
+    def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self.share and t.device.type == "cpu" and _owns_storage(t) and not t.is_inference():
+            self.shared.append((t, t._version))
+            return t
+        return t.to("cpu", copy=True)
+
+    def plain(self, x: Any, where: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+                self.notes.append(f"{where}: a {type(x).__name__} (tensor subclass) frozen as a plain tensor")
+            return self.tensor(x.as_subclass(torch.Tensor) if type(x) is not torch.Tensor else x)
+        if x is None or isinstance(x, PLAIN):
+            return x
+        if isinstance(x, torch.Size):
+            return x
+        if isinstance(x, (list, tuple)):
+            out = [self.plain(v, f"{where}[{i}]") for i, v in enumerate(x)]
+            if type(x) not in (list, tuple):
+                self.notes.append(f"{where}: a {type(x).__name__} frozen as a plain {'tuple' if isinstance(x, tuple) else 'list'}")
+            return tuple(out) if isinstance(x, tuple) else out
+        if isinstance(x, dict) and all(isinstance(k, (str, int)) for k in x):
+            if type(x) is not dict:
+                self.notes.append(f"{where}: a {type(x).__name__} frozen as a plain dict")
+            return {k: self.plain(v, f"{where}[{k!r}]") for k, v in x.items()}
+        self.notes.append(f"{where}: a {type(x).__name__} is not plain data; frozen as absent (None)")
+        return None
+
+    def changed(self) -> bool:
+        """Whether a shared tensor was written in place after it was recorded."""
+        return any(t._version != v for t, v in self.shared)
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """True when the tensor is its storage, so sharing it saves no more than the tensor."""
+    try:
+        return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(nbytes(v) for v in x)
+    if isinstance(x, dict):
+        return sum(nbytes(v) for v in x.values())
+    return 0
+
+
+def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: list, names: list[str],
+                 admission: Admission) -> tuple[list[dict], list[Any], dict[str, int], list[str]]:
+    """Per workload: the region's first call ({"args", "kwargs"}), its outputs, how often it
+    runs per forward, and notes on what was not plain data. Raises DoesNotFit (from
+    `admission`) before copying a workload that cannot fit; RuntimeError if never called."""
+    inputs, outputs, per_forward, notes = [], [], {}, []
+    for w in workloads:
+        for share in ((True, False) if admission.device.type == "cpu" else (False,)):
+            rec, seen, calls = Recorder(share), {}, [0]
+
+            def hook(_m, args, kwargs, output, rec=rec, seen=seen, calls=calls):
+                calls[0] += 1
+                if "call" in seen:
+                    return
+                admission.admit(nbytes(args) + nbytes(kwargs), nbytes(output))
+                sig = names
+                args_plain = [rec.plain(a, f"argument {sig[i] if i < len(sig) else i}") for i, a in enumerate(args)]
+                seen["call"] = ({"args": args_plain, "kwargs": {k: rec.plain(v, f"argument {k}") for k, v in kwargs.items()}},
+                                rec.plain(output, "output"))
+
+            handle = module.register_forward_hook(hook, with_kwargs=True)
+            try:
+                with torch.no_grad():
+                    model(*w.inputs)
+            finally:
+                handle.remove()
+            if "call" not in seen:
+                raise RuntimeError(f"it is not called in workload {w.name!r}")
+            if not rec.changed():
+                break
+            admission.inputs -= nbytes(seen["call"][0])  # recorded again, with copies
+            admission.outputs -= nbytes(seen["call"][1])
+        inputs.append(seen["call"][0])
+        outputs.append(seen["call"][1])
+        per_forward[w.name] = calls[0]
+        notes += [n for n in rec.notes if n not in notes]
+    return inputs, outputs, per_forward, notes
