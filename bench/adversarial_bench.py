@@ -133,6 +133,19 @@ for region, path in good:
 runner.close()
 after_run, after_model = digest(run.path), model.read_bytes()
 
+table = Table(title=f"adversarial suite, timing on, {DEVICE} ({iso.kind})")
+for col in ("candidate", "expected", "got", "right", "s", "reason", "leaked", "left alive"):
+    table.add_column(col)
+for r in rows:
+    table.add_row(*[str(x) for x in r])
+con.print(table)
+for s in speed:
+    con.print(f"good {s[0]} {s[1]}: {s[2]} speedup {s[3] and round(s[3], 3)} band {s[4] and round(s[4], 4)} {s[5]}")
+con.print(f"run folder byte-identical: {before_run == after_run}; model file unchanged: {before_model == after_model}")
+if before_run != after_run:
+    con.print(f"  changed: {sorted(set(before_run.items()) ^ set(after_run.items()))[:8]}")
+con.print(f"wrong statuses: {wrong or 'none'}")
+
 step("A/A integration of the untouched model")
 aa = None
 if "--skip-aa" not in sys.argv:
@@ -173,18 +186,6 @@ if "--skip-tune" not in sys.argv:
     report = (run.path / "report.md").read_text() if (run.path / "report.md").is_file() else ""
     (out_dir / "report.md").write_text(report)
 
-table = Table(title=f"adversarial suite, timing on, {DEVICE} ({iso.kind})")
-for col in ("candidate", "expected", "got", "right", "s", "reason", "leaked", "left alive"):
-    table.add_column(col)
-for r in rows:
-    table.add_row(*[str(x) for x in r])
-con.print(table)
-for s in speed:
-    con.print(f"good {s[0]} {s[1]}: {s[2]} speedup {s[3] and round(s[3], 3)} band {s[4] and round(s[4], 4)} {s[5]}")
-con.print(f"run folder byte-identical: {before_run == after_run}; model file unchanged: {before_model == after_model}")
-if before_run != after_run:
-    con.print(f"  changed: {sorted(set(before_run.items()) ^ set(after_run.items()))[:8]}")
-con.print(f"wrong statuses: {wrong or 'none'}")
 if aa is not None:
     for w in aa.workloads:
         con.print(f"A/A {w.name}: eager {w.eager_ms:.4f} ms, 'tuned' {w.tuned_ms:.4f} ms, {w.speedup:.3f}x, "

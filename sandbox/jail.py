@@ -78,7 +78,7 @@ def bwrap_works() -> str:
 
 def describe() -> Isolation:
     """What a worker started now is isolated from, and what not."""
-    why = bwrap_works()
+    why = bwrap_works() if bwrap_path() else "bubblewrap is turned off (NIGHTSHIFT_NO_BWRAP=1) or not installed"
     if not why:
         who = "runs as the unprivileged user nobody" if os.geteuid() == 0 else \
             "runs as this (unprivileged) user in a user namespace"

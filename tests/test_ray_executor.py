@@ -175,16 +175,10 @@ def test_every_candidate_runs_on_every_generation_and_is_kept_only_if_right_on_a
 
 def test_a_worker_actor_killed_mid_trial_costs_that_trial_only(run, executor, tmp_path):
     import ray
-    marker = tmp_path / "slow-started"
-    # The first attempt (wherever it lands) writes its actor's pid and sleeps; any other runs at once.
-    slow_once = f"""import os, time, torch
-try:
-    fd = os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-except FileExistsError:
-    fd = None
-if fd is not None:
-    os.write(fd, str(os.getppid()).encode()); os.close(fd)
-    time.sleep(120)
+    # Slow to import (every attempt: a jailed candidate leaves no trace between workers): the
+    # first actor seen running it for a second is killed; the retry elsewhere takes 3 s and passes.
+    slow_once = f"""import time, torch
+time.sleep(3)
 def forward(module, x):
     xf = x.float()
     return module.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
@@ -194,12 +188,15 @@ def forward(module, x):
     def kill_when_it_sleeps():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            text = marker.read_text() if marker.exists() else ""
-            if text:
-                actor = next(a for a in executor.actors if a.pid == int(text))
-                killed["actor"] = actor
-                ray.kill(actor.handle, no_restart=True)
-                return
+            for actor in [a for a in executor.actors if a.alive]:
+                try:
+                    running = ray.get(actor.handle.running.remote(), timeout=5)
+                except Exception:
+                    continue
+                if running.get(h(slow_once), 0.0) >= 1.0:
+                    killed["actor"] = actor
+                    ray.kill(actor.handle, no_restart=True)
+                    return
             time.sleep(0.05)
 
     killer = threading.Thread(target=kill_when_it_sleeps, daemon=True)
@@ -264,9 +261,11 @@ def test_a_target_generation_missing_from_the_cluster_is_an_error_before_the_fir
     with pytest.raises(ClusterError, match="no worker of target generation c "):
         RayExecutor([run.problems_dir / REGION], targets=["a", "c"], limits=LIMITS)
 
+    from tools import seal
     meta = json.loads((run.problems_dir / REGION / "problem.json").read_text())
     meta["target_generations"] = ["a", "H200"]
     (run.problems_dir / REGION / "problem.json").write_text(json.dumps(meta))
+    seal.record(run.path, [run.problems_dir / REGION / "problem.json"])  # frozen again, as profile would
     with pytest.raises(UserError, match="H200") as info:
         run_tune(run, "template", None, StopRule(max_candidates=3), executor_name="ray")
     assert "cluster generations: a, b" in str(info.value) and "\n" not in str(info.value)

@@ -162,3 +162,27 @@ def test_a_plain_tensor_is_a_torch_tensor_with_nothing_shadowing_its_methods():
     assert not T.same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
     base = torch.zeros(8)
     assert T.shares_memory(base[2:5], T.spans_of([base])) and not T.shares_memory(torch.zeros(8), T.spans_of([base]))
+
+
+def test_the_jail_is_in_force_where_ci_requires_it():
+    if not os.environ.get("NIGHTSHIFT_REQUIRE_JAIL"):
+        pytest.skip("bubblewrap is optional on a developer machine (apt-get install bubblewrap); CI requires it")
+    iso = jail.describe()
+    assert iso.kind == "bubblewrap", iso.note
+
+
+def test_without_bubblewrap_a_worker_still_runs_and_says_what_is_not_isolated(frozen_run, monkeypatch):
+    from sandbox.runner import Limits, TrialRunner
+    from tools.trial import Candidate, Status
+    monkeypatch.setenv("NIGHTSHIFT_NO_BWRAP", "1")
+    iso = jail.describe()
+    assert iso.kind == "none" and any("filesystem" in line for line in iso.not_isolated)
+    runner = TrialRunner("cpu", Limits(compile_s=60, run_s=30))
+    try:
+        runner.add_problem(frozen_run / "LlamaRMSNorm")
+        good = "def forward(module, x):\n    return type(module).forward(module, x)\n"
+        trial = runner.run(Candidate(region="LlamaRMSNorm", source=good), do_time=False)
+        assert trial.status is Status.ok, trial.reason
+        assert runner.worker.isolation["kind"] == "none"
+    finally:
+        runner.close()

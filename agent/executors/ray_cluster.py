@@ -9,6 +9,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,7 @@ class TrialActor:
                 r.add_problem(f)
             self.runners.append(r)
         self.busy: set[int] = set()
+        self.started: dict[int, tuple[str, float]] = {}
         self.free: queue.Queue = queue.Queue()
         for r in self.runners:
             self.free.put(r)
@@ -175,10 +177,16 @@ class TrialActor:
         return {"node_id": self.node_id, "pid": os.getpid(), "host": socket.gethostname(), "label": self.label,
                 "generation": self.generation, "workers": len(self.runners)}
 
+    def running(self) -> dict[str, float]:
+        """Candidates running on this device now: hash -> seconds since their trial started."""
+        now = time.monotonic()
+        return {h: now - t for h, t in list(self.started.values())}
+
     def run(self, candidate_json: str, candidate_path: str) -> str:
         cand = Candidate.model_validate_json(candidate_json)
         runner = self.free.get()
         self.busy.add(id(runner))
+        self.started[id(runner)] = (cand.hash, time.monotonic())
         try:
             trial = runner.run(cand, candidate_path=candidate_path)
         except Exception as e:  # a harness bug costs this trial, not the night
@@ -186,6 +194,7 @@ class TrialActor:
                           reason=f"harness error: {type(e).__name__}: {e}", device=self.device)
         finally:
             self.busy.discard(id(runner))
+            self.started.pop(id(runner), None)
             self.free.put(runner)
         trial.generation = self.generation
         trial.device = self.label

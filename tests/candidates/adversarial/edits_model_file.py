@@ -1,5 +1,6 @@
-"""EXPECT: runtime_error -- appends code to the model file it was imported from; in the jail the
-file is read-only, so the write fails (and the model file stays byte-identical).
+"""EXPECT: ok -- appends code to the model file it was imported from: what it finds there is the
+worker's own copy of the model file (the real one is outside the jail, read-only), so the edit
+changes nothing the tuner uses, and the model file stays byte-identical.
 EXPECT_UNJAILED: ok"""
 import sys
 
