@@ -92,10 +92,16 @@ class Budget:
             self.spent += trial.gpu_seconds
             device = mine.device if mine else trial.device
             self.charged_until[device] = max(self.charged_until.get(device, 0.0), trial.finished_at)
-            # A worker's one-time start is real cost (charged) but no guide to the next trial.
-            wall = trial.phases.get("wall", trial.gpu_seconds)
-            self.recent.append(max(0.0, wall - trial.phases.get("start", 0.0)))
+            self.recent.append(_held_seconds(trial))
             self.changed.notify_all()
+
+    def remember(self, trials: list[Trial]) -> None:
+        """Seed the per-trial estimate from a resumed run's last trials, so a resume expects
+        trials to take what they took, not the cautious default."""
+        with self.changed:
+            for t in trials[-(self.recent.maxlen or 20):]:
+                if t.phases.get("wall", t.gpu_seconds) > 0:
+                    self.recent.append(_held_seconds(t))
 
     def cancel(self, token: int) -> None:
         with self.changed:
@@ -122,3 +128,10 @@ class Budget:
 
     def region_open(self, region: str) -> bool:
         return self.stale[region] < self.rule.patience
+
+
+def _held_seconds(trial: Trial) -> float:
+    """Wall seconds the trial held its device; a worker's one-time start is real cost
+    (charged) but no guide to the next trial."""
+    wall = trial.phases.get("wall", trial.gpu_seconds)
+    return max(0.0, wall - trial.phases.get("start", 0.0))

@@ -1,30 +1,33 @@
 """`agent`: the command line. It parses arguments, calls the library, prints, and exits.
 
-Exit codes: 0 success; 1 the verdict was negative (a rejected candidate, a failed check);
-2 bad input (a wrong flag, a broken model file, an invalid budget); 130 interrupted.
+Exit codes: 0 success; 1 the verdict was negative (a rejected candidate, a failed check, a
+search in which no planner could propose anything); 2 bad input (a wrong flag, a broken model
+file, an invalid budget, a damaged run folder: one `error:` line, never a traceback or a usage
+box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report written).
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
+from functools import wraps
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
-from rich.live import Live
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="nightshift: overnight, accuracy-gated search for faster GPU kernels.")
 out = Console(width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True)
+PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}
 
 
 def _fail(message: str, code: int = 2) -> None:
-    from rich.markup import escape  # a path like runs/[old]/m.py is text, not markup
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # one line, however long
+    err.print(f"error: {' '.join(message.split())}", **PLAIN)  # one line, however long
     raise typer.Exit(code)
 
 
@@ -32,21 +35,30 @@ def _emit_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def _say(text: str) -> None:
+    out.print(text, **PLAIN)
+
+
 def _guard(fn):
     """Turn the library's user-facing errors into one line and exit code 2."""
-    from functools import wraps
-
     @wraps(fn)
     def wrapper(*args, **kwargs):
-        from agent.jobs import UserError
+        from agent.errors import UserError
         from tools.modelfile import ModelFileError
         from tools.problem import ProblemError
+        from tools.store import StoreError
         try:
             return fn(*args, **kwargs)
-        except (UserError, ModelFileError, ProblemError) as e:
+        except (UserError, ModelFileError, ProblemError, StoreError) as e:
             _fail(str(e))
         except ValidationError as e:
             _fail("; ".join(_validation_text(x) for x in e.errors()))
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/signals.py)
+            _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
+        except OSError as e:  # the file system said no: name the file, not the line of code
+            _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+        except sqlite3.Error as e:
+            _fail(f"the run's store: {e}")
     return wrapper
 
 
@@ -59,11 +71,6 @@ def _validation_text(error: dict) -> str:
 
 def _names(text: Optional[str]) -> Optional[list[str]]:
     return [n.strip() for n in text.split(",") if n.strip()] if text else None
-
-
-def _stop_rule(gpu_hours: float, max_candidates: int, patience: int, max_usd: Optional[float] = None):
-    from tools.problem import StopRule
-    return StopRule(gpu_hours=gpu_hours, max_candidates=max_candidates, patience=patience, max_usd=max_usd)
 
 
 @app.command()
@@ -95,7 +102,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Profile a model, print its hotspots, and freeze the top regions as problems."""
-    from agent.jobs import profile_and_freeze
+    from agent.jobs import native_stderr_without, profile_and_freeze
     from tools.profiler import render_hotspots, torch_profiler_table
     res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
                              region_tolerance=region_tolerance, coverage=coverage, max_regions=max_regions,
@@ -104,15 +111,17 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
         _emit_json({"run": str(res.run.path), "hotspots": json.loads(res.result.model_dump_json()),
                     "problems": [p.name for p in res.problems], "skipped": res.skipped})
         return
-    out.print(render_hotspots(res.result, top=top))
+    out.print(render_hotspots(res.result, top=max(0, top)))
     if torch_table:
         from tools.modelfile import load_model
-        out.print(torch_profiler_table(load_model(model, res.result.device), res.result.device, workload))
+        with native_stderr_without("USDT:"):  # torch's profiler chatter on file descriptor 2
+            table = torch_profiler_table(load_model(model, res.result.device), res.result.device, workload)
+        out.print(table)
     for p in res.problems:
-        out.print(f"froze [bold]{p.name}[/] ({p.region_path}, {p.share_of_model:.0%} of time), tolerance {p.tolerance}")
+        _say(f"froze {p.name} ({p.region_path}, {p.share_of_model:.0%} of time), tolerance {p.tolerance}")
     for name, why in res.skipped.items():
-        out.print(f"skipped {name}: {why}")
-    out.print(f"run folder: [bold]{res.run.path}[/]  (trace.json opens in Perfetto)")
+        _say(f"skipped {name}: {why}")
+    _say(f"run folder: {res.run.path}  (trace.json opens in Perfetto)")
 
 
 @app.command("try")
@@ -124,49 +133,41 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
          json_out: bool = typer.Option(False, "--json", help="The verdict as JSON (what coding agents read).")):
     """Verify and time one candidate in the sandbox; exit 0 if it passed, 1 if rejected."""
     from agent.jobs import try_candidate
+    from agent.view import trial_lines
     trial = try_candidate(target, candidate, region, device)
     if json_out:
         _emit_json(trial.model_dump(mode="json"))
     else:
-        colour = "green" if trial.status.value == "ok" else "red"
-        from rich.markup import escape  # the reason may quote the candidate's own exception
-        out.print(f"[bold {colour}]{trial.status.value}[/]: {escape(trial.reason)}")
-        if trial.error is not None:
-            out.print(f"error {trial.error:.3g} vs tolerance {trial.tolerance}; fresh inputs {trial.fresh_error}")
-        for t in trial.timings:
-            label = "CPU timing" if t.timing_kind == "cpu" else "GPU timing"
-            out.print(f"  {t.workload}: baseline {t.baseline_ms:.4f} ms, candidate {t.candidate_ms:.4f} ms, "
-                      f"{t.speedup:.2f}x ({label}, spread {t.candidate_spread:.1%}, {t.reps} reps)")
-        if trial.speedup:
-            out.print(f"weighted speedup {trial.speedup:.2f}x" + (" (CPU timing)" if trial.device == "cpu" else ""))
-        for f in trial.flags:
-            out.print(f"[yellow]flag:[/] {f}")
-        if trial.error_text and trial.status.value != "ok":
-            out.print(trial.error_text[-1500:], markup=False, highlight=False)
+        for line in trial_lines(trial):
+            _say(line)
     raise typer.Exit(0 if trial.status.value == "ok" else 1)
 
 
 @app.command()
 @_guard
 def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file: profile, freeze, then search."),
-         resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder."),
-         planner: str = typer.Option("template", help="template, anthropic, openai, files, or several: "
-                                     "template,anthropic."),
+         resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder, with the "
+                                               "settings it was started with (flags given override them)."),
+         planner: Optional[str] = typer.Option(None, help="template (default), anthropic, openai, files, or "
+                                               "several: template,anthropic."),
          llm_model: Optional[str] = typer.Option(None, help="Model for LLM planners (default: "
                                                  "$NIGHTSHIFT_ANTHROPIC_MODEL / $NIGHTSHIFT_OPENAI_MODEL)."),
          base_url: Optional[str] = typer.Option(None, help="API base URL (OpenAI-compatible servers too)."),
          max_usd: Optional[float] = typer.Option(None, help="Stop LLM proposals past this many dollars."),
          devices: Optional[str] = typer.Option(None, help="cuda:0,cuda:1 | cpu | cpu@a,cpu@b (default: idle GPUs)."),
-         executor: str = typer.Option("local", help="local (this machine's devices) or ray (a Ray cluster: "
-                                      "one worker actor per GPU, pools per generation)."),
+         executor: Optional[str] = typer.Option(None, help="local (default: this machine's devices) or ray (a "
+                                                "Ray cluster: one worker actor per GPU, pools per generation)."),
          ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default with --executor ray: "
                                                    "start a local one)."),
-         workers_per_gpu: int = typer.Option(0, help="Sandbox workers sharing each GPU (0: by CPU cores per GPU)."),
+         workers_per_gpu: Optional[int] = typer.Option(None, help="Sandbox workers sharing each GPU (default 0: "
+                                                       "by CPU cores per GPU)."),
          device: str = typer.Option("auto", help="Device for profiling and the frozen references."),
          workload: Optional[str] = typer.Option(None, help="Use one named workload only."),
-         gpu_hours: float = typer.Option(0.25, help="Cap on device time over all devices, hours."),
-         max_candidates: int = typer.Option(200, help="Cap on candidates tried."),
-         patience: int = typer.Option(40, help="Stop a region after N passing trials without improvement."),
+         gpu_hours: Optional[float] = typer.Option(None, help="Cap on device time over all devices, hours "
+                                                   "(default 0.25)."),
+         max_candidates: Optional[int] = typer.Option(None, help="Cap on candidates tried (default 200)."),
+         patience: Optional[int] = typer.Option(None, help="Stop a region after N passing trials without "
+                                                "improvement (default 40)."),
          tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for every region."),
          region_tolerance: list[str] = typer.Option([], help="CLASS=abs:VALUE, per region; repeatable."),
          e2e_tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for the whole model's "
@@ -179,109 +180,32 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
          baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines end to end "
                                                   "(default: on GPUs, not on the CPU)."),
          json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view.")):
-    """The main job: profile, freeze problems, search until the budget runs out, report."""
-    from agent import jobs, report
-    from agent.view import budget_line, progress_rows, progress_table
-    from tools.runfolder import RunFolder
-    if (model is None) == (resume is None):
-        _fail("give either --model FILE (a new run) or --resume RUN (continue one)")
-    rule = _stop_rule(gpu_hours, max_candidates, patience, max_usd)
-    jobs.check_planner(planner, llm_model, base_url)
-    jobs.check_executor(executor, devices, ray_address)
-    if workers_per_gpu < 0:
-        _fail(f"--workers-per-gpu must be 0 (automatic) or more, not {workers_per_gpu}")
-    if resume is not None:
-        run = RunFolder.open(resume)
-    else:
-        res = jobs.profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance, stop_rule=rule,
-                                      max_regions=max_regions, regions=_names(regions),
-                                      region_tolerance=region_tolerance, e2e_tolerance=e2e_tolerance)
-        run = res.run
-        if not json_out:
-            out.print(f"run folder [bold]{run.path}[/]: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
-    problems = run.problems()
-    on_cpu = all(d.partition("@")[0].strip() == "cpu" for d in (devices or "cpu").split(",") if d.strip())
-    kind = "cpu" if all(p.device == "cpu" for p in problems) and on_cpu else "cuda"  # cpu@a,cpu@b is the CPU too
-    from agent.history import History
-    seen = History()
-
-    def table(budget_obj=None):
-        spent = budget_obj.spent if budget_obj else 0.0
-        tried = budget_obj.tried if budget_obj else 0
-        return progress_table(progress_rows(problems, seen), kind, budget_line(spent, gpu_hours, tried, max_candidates))
-
-    from agent.loop import load_history
-    for t in load_history(run, problems, []).trials:
-        seen.add(t)
-    holder: dict = {}
-    live = None if json_out else Live(table(), console=out, refresh_per_second=2, transient=False)
-
-    def on_trial(trial):
-        seen.add(trial)
-        if live is not None:
-            live.update(table(holder.get("budget")))
-
-    if live is not None:
-        live.start()
-    try:
-        outcome, budget = jobs.run_tune(run, planner, devices, rule, on_trial=on_trial, llm_model=llm_model,
-                                        base_url=base_url, executor_name=executor, ray_address=ray_address,
-                                        workers_per_gpu=workers_per_gpu or None,
-                                        on_note=lambda note: err.print(f"note: {note}", markup=False))
-        holder["budget"] = budget
-    finally:
-        if live is not None:
-            live.update(table(holder.get("budget")))
-            live.stop()
-    integration = None
-    if integrate and not outcome.stop_reason.startswith("interrupted"):
-        first = (devices or "").split(",")[0].partition("@")[0].strip() or None
-        integration = _integrate(run, first, baselines, json_out)
-    report_path = report.write(run)
-    summary = {"run": str(run.path), "stop_reason": outcome.stop_reason, "trials": outcome.trials_run,
-               "rounds": outcome.rounds, "best_speedup": outcome.best, "report": str(report_path),
-               "gpu_seconds": budget.spent, "timing_kind": kind}
-    if integrate:
-        from agent.integrate import summary as integration_summary
-        summary["integration"] = integration if integration is None or isinstance(integration, str) \
-            else integration_summary(integration)
+    """The main job: profile, freeze problems, search until the budget runs out, report. Progress
+    goes to runs/<run>/log.txt, and to stdout: a live table on a terminal, one line per trial
+    otherwise."""
+    from agent.integrate import render
+    from agent.session import TuneRequest, tune_session
+    given = {"planner": planner, "llm_model": llm_model, "base_url": base_url, "devices": devices,
+             "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
+             "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd}
+    request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
+                          max_regions, _names(regions), runs_dir, integrate, baselines)
+    tty = sys.stdout.isatty()
+    result = tune_session(request, say=(lambda text: None) if json_out else _say,
+                          warn=lambda text: err.print(f"note: {text}", **PLAIN),
+                          lines=None if json_out or tty else sys.stdout, console=out if tty and not json_out else None)
+    if result.outcome.planner_failure:
+        err.print(f"error: {result.outcome.planner_failure}", **PLAIN)
     if json_out:
-        _emit_json(summary)
+        _emit_json(result.summary())
     else:
-        out.print(f"\nstopped: {outcome.stop_reason}. report: [bold]{report_path}[/]")
-        out.print(f"continue with: agent tune --resume {run.path}")
-    if outcome.stop_reason.startswith("interrupted"):
-        raise typer.Exit(130)
-
-
-def _integrate(run, device: Optional[str], baselines: Optional[bool], quiet: bool):
-    """Integration after a search: the result, or one line saying why there is none (a search
-    that found something must not end in a traceback because the end-to-end check could not run)."""
-    from agent.integrate import IntegrationError, integrate, render
-    from agent.jobs import UserError
-    from tools.problem import ProblemError
-    on_gpu = (device or "").startswith("cuda") or (not device and _cuda_run(run))
-    want = on_gpu if baselines is None else baselines
-    try:
-        result = integrate(run, device, baselines=want)  # its notes are part of the rendered result
-    except (IntegrationError, UserError, ProblemError) as e:
-        if not quiet:
-            err.print(f"integration: {e}", markup=False)
-        return f"not integrated: {e}"
-    if not quiet:
-        out.print()
-        out.print(render(result))
-    return result
-
-
-def _cuda_run(run) -> bool:
-    try:
-        from tools.capture import MODEL_DIR
-        from tools.problem import Problem
-        import torch
-        return Problem.load(run.path / MODEL_DIR).device == "cuda" and torch.cuda.is_available()
-    except Exception:
-        return False
+        if result.integration is not None and not isinstance(result.integration, str):
+            out.print()
+            out.print(render(result.integration))
+        _say(f"\nstopped: {result.outcome.stop_reason}. report: {result.report}")
+        _say(f"log: {result.run.log_path}")
+        _say(f"continue with: agent tune --resume {result.run.path}")
+    raise typer.Exit(result.exit_code)
 
 
 @app.command("integrate")
@@ -293,10 +217,12 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
                json_out: bool = typer.Option(False, "--json", help="integration.json on stdout.")):
     """Apply the winners to the whole model, check it against the frozen model outputs, time it."""
     from agent.integrate import IntegrationError, integrate, render
+    from agent.session import cuda_run
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
+    folder.check_store()
     want = baselines if baselines is not None else (
-        (device or "").startswith("cuda") or (not device and _cuda_run(folder)))
+        (device or "").startswith("cuda") or (not device and cuda_run(folder)))
     try:
         result = integrate(folder, device, baselines=want)
     except IntegrationError as e:
@@ -305,29 +231,32 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
         _emit_json(json.loads(result.model_dump_json()))
     else:
         out.print(render(result))
-        out.print(f"wrote {folder.path / 'integration.json'}", markup=False, highlight=False)
+        _say(f"wrote {folder.path / 'integration.json'}")
 
 
 @app.command()
 @_guard
 def status(run: Path = typer.Argument(..., help="Run folder (may be running elsewhere)."),
            json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
-    """Progress of a run: per region trials, passing, best speedup, error vs tolerance, budget."""
+    """Progress of a run: whether it is running or stopped (and why), per region trials, passing,
+    best speedup, error vs tolerance, budget."""
     from agent.loop import load_history
-    from agent.view import budget_line, progress_rows, progress_table
+    from agent.view import budget_line, progress_rows, progress_table, run_status
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
     problems = folder.problems()
     history = load_history(folder, problems, [])
+    state = run_status(folder)
     rule = folder.info().options.get("stop_rule", {})
     spent = sum(t.gpu_seconds for t in history.trials)
     rows = progress_rows(problems, history)
     if json_out:
-        _emit_json({"run": str(folder.path), "regions": rows, "gpu_seconds": spent, "stop_rule": rule})
+        _emit_json({"run": str(folder.path), **state, "regions": rows, "gpu_seconds": spent, "stop_rule": rule})
         return
     kind = "cpu" if all(p.device == "cpu" for p in problems) else "cuda"
     out.print(progress_table(rows, kind, budget_line(spent, rule.get("gpu_hours", 0.0), len(history.records),
-                                                      rule.get("max_candidates", 0))))
+                                                      rule.get("max_candidates", 0), kind)))
+    _say(f"{folder.path}: {state['text']}")
 
 
 @app.command("report")
@@ -337,7 +266,7 @@ def report_(run: Path = typer.Argument(..., help="Run folder.")):
     from agent import report
     from tools.runfolder import RunFolder
     md = report.write(RunFolder.open(run))
-    out.print(f"wrote {md}\nand {md.with_name('report.html')}", markup=False, highlight=False)
+    _say(f"wrote {md}\nand {md.with_name('report.html')}")
 
 
 @app.command("apply")
@@ -346,46 +275,23 @@ def apply_(run: Path = typer.Argument(..., help="Run folder."),
            region: list[str] = typer.Option([], "--region", help="Only this region (repeatable, or A,B)."),
            dry_run: bool = typer.Option(False, "--dry-run", help="Print the patch and what would be written; "
                                         "write nothing."),
+           allow_slower: bool = typer.Option(False, "--allow-slower", help="Also apply winners that are not faster "
+                                             "than the original (a warning each; on the CPU none is faster)."),
            json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Write the winners as <model>_nightshift.py next to the model and a patch routing the model through
     it (runs/<run>/patches/<model>.patch); exit 1 if no region has a winner to apply."""
     from agent.apply import apply_run
-    res = apply_run(run, [n for r in region for n in _names(r) or []] or None, dry_run=dry_run)
+    res = apply_run(run, [n for r in region for n in _names(r) or []] or None, dry_run=dry_run,
+                    allow_slower=allow_slower)
     if json_out:
         _emit_json(res.to_json())
-        raise typer.Exit(0 if res.regions else 1)
-    plain = {"markup": False, "highlight": False, "soft_wrap": True}
-    source = "kept end to end (integration.json)" if res.chosen_by == "integration" else \
-        "best kept candidate per region (no integration.json)"
-    out.print(f"run {res.run_id}: {len(res.regions)} region(s) to apply, {source}", **plain)
-    for r in res.regions:
-        speed = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
-        error = f"{r['error']:.3g}" if r["error"] is not None else "n/a"
-        out.print(f"  {r['region']}: candidate {r['candidate_hash']}, {speed}, error {error} vs {r['tolerance']}",
-                  **plain)
-    for name, why in res.skipped.items():
-        out.print(f"  {name}: not applied ({why})", **plain)
-    for w in res.warnings:
-        err.print(f"warning: {w}", **plain)
-    if not res.regions:
-        out.print("nothing to apply", **plain)
-        raise typer.Exit(1)
-    if res.dry_run:
-        if res.patch:
-            sys.stdout.write(res.patch)
-        else:
-            out.print(f"{res.model_file} already routes through {Path(res.kernels_module).name} "
-                      "(already applied): the patch is empty", **plain)
-        for p in res.would_write:
-            out.print(f"would write {p}", **plain)
-        return
-    for p in res.written:
-        out.print(f"wrote {p}", **plain)
-    if res.already_applied:
-        out.print(f"{res.model_file} already routes through {Path(res.kernels_module).name} (already applied): "
-                  "nothing to patch", **plain)
     else:
-        out.print(f"apply it: {res.apply_command}", **plain)
+        lines, warnings = res.lines()
+        for w in warnings:
+            err.print(w, **PLAIN)
+        for line in lines:
+            _say(line)
+    raise typer.Exit(0 if res.regions else 1)
 
 
 skill_app = typer.Typer(no_args_is_help=True, help="The coding-agent skill (Claude Code, Codex).")
@@ -393,6 +299,7 @@ app.add_typer(skill_app, name="skill")
 
 
 @skill_app.command("install")
+@_guard
 def skill_install(claude: bool = typer.Option(False, "--claude", help="Claude Code: .claude/skills/nightshift/SKILL.md."),
                   codex: bool = typer.Option(False, "--codex", help="Codex: a nightshift section in AGENTS.md."),
                   user: bool = typer.Option(False, "--user", help="Into your home (~/.claude, ~/.codex) instead."),
@@ -409,11 +316,27 @@ def skill_install(claude: bool = typer.Option(False, "--claude", help="Claude Co
         _emit_json({"written": [str(p) for p in written]})
     else:
         for p in written:
-            out.print(f"wrote {p}", markup=False, highlight=False)
+            _say(f"wrote {p}")
 
 
-def main() -> None:
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """The `agent` command: a parse error is one `error:` line and exit 2, like any bad input."""
+    from agent.signals import signals_as_interrupts
+    try:
+        with signals_as_interrupts():  # SIGTERM and SIGHUP stop any command as Ctrl-C does
+            code = app(args=argv, standalone_mode=False)
+    except typer.Abort:
+        code = 130
+    except typer.TyperException as e:  # click's ClickException: a usage or parameter error
+        if type(e).__name__ == "NoArgsIsHelpError":  # the help has been printed; nothing was asked
+            code = 2
+        else:
+            ctx = getattr(e, "ctx", None)
+            where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            message = e.format_message() if hasattr(e, "format_message") else str(e)
+            err.print(f"error: {' '.join(message.split())}{where}", **PLAIN)
+            code = getattr(e, "exit_code", 2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,12 @@
 A candidate is *kept* only when it passed the tolerance on every target generation; its
 rank is its smallest speedup over those generations, since a win on one generation can be
 a regression on another.
+
+A (candidate, generation) whose attempt ends without a result is run again, a bounded number
+of times: a `lost` trial (the worker was lost for reasons not the candidate's) once more
+(`MAX_LOST`); a trial the tuner itself died in (killed, out of memory) until that has happened
+`MAX_TUNER_DEATHS` times. A candidate that kills its worker's host, or the tuner, must not stop
+every resume at the same place.
 """
 
 from __future__ import annotations
@@ -11,6 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tools.trial import Status, Trial
+
+MAX_LOST = 2
+"""`lost` trials of one (candidate, generation) before it is not run again."""
+MAX_TUNER_DEATHS = 3
+"""Times the tuner may die during one (candidate, generation) before it is recorded `lost`."""
 
 
 @dataclass
@@ -44,12 +55,18 @@ class History:
         """Per region: the generations a candidate must pass on."""
         self.pending: set[tuple[str, str]] = set()
         """(region, hash) of candidates in flight: planned already, so not to be proposed again."""
+        self.lost: dict[tuple[str, str, str], int] = defaultdict(int)
+        """(region, hash, generation) -> trials recorded `lost`."""
+        self.interrupted: dict[tuple[str, str, str], int] = {}
+        """(region, hash, generation) -> trials the tuner died in (started, never ended; from the store)."""
 
     def snapshot(self) -> "History":
         """A copy a planner can read in another thread while the loop keeps adding trials."""
         copy = History(self.generations)
         copy.trials = list(self.trials)
         copy.pending = set(self.pending)
+        copy.lost = defaultdict(int, self.lost)
+        copy.interrupted = dict(self.interrupted)
         for key, rec in list(self.records.items()):
             copy.records[key] = CandidateRecord(rec.region, rec.candidate_hash, rec.template, rec.params,
                                                 rec.planner, dict(rec.by_generation))
@@ -62,17 +79,24 @@ class History:
         if rec is None:
             rec = self.records[key] = CandidateRecord(trial.region, trial.candidate_hash, trial.template,
                                                       trial.params, trial.planner)
+        if trial.status is Status.lost:
+            self.lost[(trial.region, trial.candidate_hash, trial.generation)] += 1
         rec.by_generation[trial.generation] = trial
         return rec
+
 
     def targets(self, region: str) -> list[str]:
         return self.generations.get(region) or sorted({t.generation for t in self.trials if t.region == region})
 
     def done(self, region: str, digest: str, generation: str) -> bool:
-        """Finished on this generation; a trial `lost` with its worker is not a result."""
+        """Finished on this generation. A trial `lost` with its worker is not a result, and is
+        run again until the bounds on such attempts are reached."""
         rec = self.records.get((region, digest))
         trial = rec.by_generation.get(generation) if rec else None
-        return trial is not None and trial.status is not Status.lost
+        if trial is not None and trial.status is not Status.lost:
+            return True
+        key = (region, digest, generation)
+        return self.lost.get(key, 0) >= MAX_LOST or self.interrupted.get(key, 0) >= MAX_TUNER_DEATHS
 
     def tried(self, region: str, digest: str) -> bool:
         """Finished on every target generation, or in flight now."""

@@ -3,7 +3,8 @@
 The SDKs' own retries are off (`max_retries=0`); tenacity retries here instead, so every
 attempt is counted and logged, the backoff is ours to set, and a failure that stays failed
 comes back as one `LLMError` whatever the provider. Retried: 429, 5xx (529 overloaded
-included), timeouts, refused and reset connections; a `retry-after-ms` / `retry-after`
+included), timeouts, refused and reset connections, and a 200 whose body is not the API's
+answer (truncated JSON, an HTML page from a proxy); a `retry-after-ms` / `retry-after`
 header is honoured (capped at `RETRY_AFTER_CAP` seconds). Other 4xx are the caller's
 mistake and fail at once. API keys come only from the environment and never appear in
 errors or logs.
@@ -22,7 +23,7 @@ from typing import Protocol
 import tenacity
 from pydantic import BaseModel
 
-from agent.planners import PlannerError
+from agent.planners.base import PlannerError
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ class LLMClient(Protocol):
     def complete(self, system: str, messages: list[dict]) -> Reply:
         """One completion; messages are [{"role": "user" | "assistant", "content": str}]."""
         ...
+
+
+class MalformedResponse(Exception):
+    """The API answered 200 with a body that is not a completion (what the SDK could not read)."""
 
 
 class LLMError(Exception):
@@ -157,13 +162,25 @@ class _SDKClient:
         def attempt():
             nonlocal attempts
             attempts += 1
-            return self._call(system, messages)
+            try:
+                return self._call(system, messages)
+            except self._sdk.APIResponseValidationError as e:
+                raise MalformedResponse(f"the API's answer does not have the expected shape ({e.message})") from None
+            except self._sdk.APIError:
+                raise
+            except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+                raise MalformedResponse(f"the API answered with a body that is not a completion "
+                                        f"({type(e).__name__}: {str(e)[:200]})") from None
 
         retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(self.max_attempts), wait=self._wait,
                                      retry=tenacity.retry_if_exception(self._transient),
                                      before_sleep=self._log_retry, reraise=True)
         try:
             text, tokens_in, tokens_out, model = retrying(attempt)
+        except MalformedResponse as e:
+            raise LLMError(f"{self.provider} {self.model}: {e}; gave up after {attempts} attempts",
+                           provider=self.provider, model=self.model, status=200, attempts=attempts,
+                           seconds=time.monotonic() - start) from None
         except self._sdk.APIError as e:
             seconds = time.monotonic() - start
             why = self._describe(e)
@@ -179,7 +196,7 @@ class _SDKClient:
                      model=model, provider=self.provider, seconds=time.monotonic() - start, attempts=attempts)
 
     def _transient(self, e: BaseException) -> bool:
-        if isinstance(e, self._sdk.APIConnectionError):  # timeouts are connection errors too
+        if isinstance(e, (self._sdk.APIConnectionError, MalformedResponse)):  # timeouts are connection errors too
             return True
         return isinstance(e, self._sdk.APIStatusError) and (e.status_code == 429 or e.status_code >= 500)
 
@@ -193,7 +210,9 @@ class _SDKClient:
                     state.upcoming_sleep)
 
     def _describe(self, e: BaseException) -> str:
-        if isinstance(e, self._sdk.APITimeoutError):
+        if isinstance(e, MalformedResponse):
+            text = str(e)
+        elif isinstance(e, self._sdk.APITimeoutError):
             text = f"no answer within {self.timeout:g} s"
         elif isinstance(e, self._sdk.APIStatusError):
             body = e.body.get("error", e.body) if isinstance(e.body, dict) else e.body
@@ -227,6 +246,13 @@ def _retry_after(e: BaseException | None) -> float | None:
     return None
 
 
+def _check_parsed(response) -> None:
+    """The SDKs hand back a body that is not JSON (a proxy's HTML page) as a plain string."""
+    if isinstance(response, (str, bytes)):
+        snippet = " ".join(str(response)[:120].split())
+        raise MalformedResponse(f"the API answered with a body that is not JSON ({snippet!r})")
+
+
 class AnthropicClient(_SDKClient):
     provider = "anthropic"
 
@@ -240,6 +266,7 @@ class AnthropicClient(_SDKClient):
     def _call(self, system: str, messages: list[dict]) -> tuple[str, int, int, str]:
         r = self._client.messages.create(model=self.model, max_tokens=self.max_tokens, system=system,
                                          messages=messages)
+        _check_parsed(r)
         text = "".join(block.text for block in r.content if block.type == "text")
         return text, r.usage.input_tokens, r.usage.output_tokens, r.model or self.model
 
@@ -261,6 +288,7 @@ class OpenAIClient(_SDKClient):
         limit = {"max_completion_tokens": self.max_tokens} if self.max_tokens else {}
         r = self._client.chat.completions.create(
             model=self.model, messages=[{"role": "system", "content": system}, *messages], **limit)
+        _check_parsed(r)
         text = (r.choices[0].message.content or "") if r.choices else ""
         usage = r.usage
         return (text, usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0,

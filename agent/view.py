@@ -44,6 +44,55 @@ def progress_table(rows: list[dict], timing_kind: str, budget_line: str) -> Tabl
     return table
 
 
-def budget_line(spent_s: float, cap_h: float, tried: int, max_candidates: int) -> str:
-    return (f"device time {spent_s / 3600:.4f} of {cap_h:g} GPU-h ({max(0.0, cap_h * 3600 - spent_s):.0f} s left)"
+def budget_line(spent_s: float, cap_h: float, tried: int, max_candidates: int, timing_kind: str = "cuda") -> str:
+    """The budget left; on the CPU the cap is device time, never called GPU time."""
+    unit = "h on the CPU" if timing_kind == "cpu" else "GPU-h"
+    return (f"device time {spent_s / 3600:.4f} of {cap_h:g} {unit} ({max(0.0, cap_h * 3600 - spent_s):.0f} s left)"
             f" · candidates {tried} of {max_candidates}")
+
+
+def run_status(folder) -> dict:
+    """Whether the run is being tuned now, has stopped (and how), or was killed mid-search."""
+    from tools.runfolder import lock_holder
+    pid, holder = lock_holder(folder)
+    stop, clean, started = None, True, False
+    if folder.check_store():
+        store = folder.store(readonly=True)
+        try:
+            stop = store.last_event("stop")
+            clean = store.ended_cleanly()
+            started = bool(store.events("session")) or store.count() > 0
+        finally:
+            store.close()
+    if pid is not None:
+        return {"state": "running", "pid": pid, "since": holder, "stop_reason": None,
+                "text": f"running now ({holder})"}
+    if stop is None or not clean:
+        state = "killed" if started else "not started"
+        text = ("not running, and its last session recorded no stop: the tuner was killed "
+                "(agent tune --resume to go on)" if started else "not tuned yet")
+        return {"state": state, "pid": None, "since": None, "stop_reason": None, "text": text}
+    reason = stop.get("reason", "")
+    state = "interrupted" if reason.startswith("interrupted") else "finished"
+    return {"state": state, "pid": None, "since": None, "stop_reason": reason,
+            "text": f"{'stopped' if state == 'interrupted' else 'finished'}: {reason}"
+                    + (" (agent tune --resume to go on)" if state == "interrupted" else "")}
+
+
+def trial_lines(trial) -> list[str]:
+    """`agent try`'s verdict for a person: status and reason, error against the tolerance,
+    per-workload timings labelled CPU or GPU, flags, and the error text of a rejection."""
+    lines = [f"{trial.status.value}: {trial.reason}"]
+    if trial.error is not None:
+        fresh = "n/a" if trial.fresh_error is None else f"{trial.fresh_error:.3g}"
+        lines.append(f"error {trial.error:.3g} vs tolerance {trial.tolerance}; fresh inputs {fresh}")
+    for t in trial.timings:
+        label = "CPU timing" if t.timing_kind == "cpu" else "GPU timing"
+        lines.append(f"  {t.workload}: baseline {t.baseline_ms:.4f} ms, candidate {t.candidate_ms:.4f} ms, "
+                     f"{t.speedup:.2f}x ({label}, spread {t.candidate_spread:.1%}, {t.reps} reps)")
+    if trial.speedup:
+        lines.append(f"weighted speedup {trial.speedup:.2f}x" + (" (CPU timing)" if trial.device == "cpu" else ""))
+    lines += [f"flag: {f}" for f in trial.flags]
+    if trial.error_text and trial.status.value != "ok":
+        lines.append(trial.error_text[-1500:])
+    return lines

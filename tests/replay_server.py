@@ -10,6 +10,9 @@ Requests are recorded with their JSON bodies, but never with an API key: the `x-
 `authorization` and `api-key` headers are dropped, and only which one came (and, when the
 server was given the expected key, whether it matched) is kept.
 
+A `raw` entry sends any bytes with any status and content type (a truncated JSON body, an
+HTML page from a proxy), and `answer(None)` a completion whose message content is null.
+
     server = ReplayServer([error(429, headers={"retry-after": "0.1"}), answer("hi")]).start()
     ...
     server.stop()
@@ -31,8 +34,8 @@ AUTH_HEADERS = ("x-api-key", "authorization", "api-key")
 @dataclass(frozen=True)
 class Entry:
     """One scripted response. Build them with `answer`, `error`, `delay` and `reset`."""
-    kind: str  # "answer", "error" or "reset"
-    text: str = ""
+    kind: str  # "answer", "error", "raw" or "reset"
+    text: str | None = ""
     input_tokens: int = 10
     output_tokens: int = 5
     status: int = 200
@@ -41,8 +44,9 @@ class Entry:
     delay: float = 0.0  # seconds before responding (longer than the client's timeout: a timeout)
 
 
-def answer(text: str, input_tokens: int = 10, output_tokens: int = 5, delay: float = 0.0) -> Entry:
-    """A successful completion whose text is `text` (a malformed answer is just unexpected text)."""
+def answer(text: str | None, input_tokens: int = 10, output_tokens: int = 5, delay: float = 0.0) -> Entry:
+    """A successful completion whose text is `text` (a malformed answer is just unexpected text;
+    None: the message content is null, or for Anthropic there is no content block)."""
     return Entry("answer", text=text, input_tokens=input_tokens, output_tokens=output_tokens, delay=delay)
 
 
@@ -54,6 +58,11 @@ def error(status: int, message: str = "", headers: dict[str, str] | None = None)
 def delay(seconds: float, text: str = "too late") -> Entry:
     """An answer that comes only after `seconds`: longer than the client's timeout, it times out."""
     return answer(text, delay=seconds)
+
+
+def raw(body: str, status: int = 200, content_type: str = "application/json") -> Entry:
+    """Exactly these bytes as the response body, e.g. raw('{"id": "msg_', ) or raw("<html>", content_type="text/html")."""
+    return Entry("raw", text=body, status=status, headers={"content-type": content_type})
 
 
 def reset() -> Entry:
@@ -74,8 +83,9 @@ def anthropic_body(entry: Entry, request: dict) -> dict:
         kind = ANTHROPIC_ERRORS.get(entry.status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": entry.message},
                 "request_id": "req_replay"}
+    content = [] if entry.text is None else [{"type": "text", "text": entry.text}]
     return {"id": "msg_replay", "type": "message", "role": "assistant", "model": request.get("model", ""),
-            "content": [{"type": "text", "text": entry.text}], "stop_reason": "end_turn",
+            "content": content, "stop_reason": "end_turn",
             "stop_sequence": None,
             "usage": {"input_tokens": entry.input_tokens, "output_tokens": entry.output_tokens}}
 
@@ -174,6 +184,8 @@ def _handler(server: ReplayServer) -> type[BaseHTTPRequestHandler]:
                 return self._send(418, shape(error(418, "replay script exhausted"), body))
             if entry.delay:
                 time.sleep(entry.delay)
+            if entry.kind == "raw":
+                return self._send_bytes(entry.status, entry.text.encode(), entry.headers["content-type"])
             if entry.kind == "reset":
                 # SO_LINGER 0: close() sends a TCP RST instead of an orderly FIN.
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -183,10 +195,13 @@ def _handler(server: ReplayServer) -> type[BaseHTTPRequestHandler]:
             self._send(entry.status, shape(entry, body), entry.headers)
 
         def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(payload).encode()
+            self._send_bytes(status, json.dumps(payload).encode(), "application/json", headers)
+
+        def _send_bytes(self, status: int, data: bytes, content_type: str,
+                        headers: dict[str, str] | None = None) -> None:
             try:
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
+                self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(data)))
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)

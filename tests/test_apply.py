@@ -211,15 +211,20 @@ def test_patch_applies_with_git_and_routes_the_model(applied, frozen_run, tmp_pa
     assert out["train"] == [0, True]
 
 
+def _files(root: Path) -> list[Path]:
+    """Every file under root, but SQLite's own -wal/-shm files (a reader of a WAL store makes them)."""
+    return sorted(p for p in root.rglob("*") if not p.name.endswith(("-wal", "-shm")))
+
+
 def test_dry_run_prints_the_patch_and_writes_nothing(fresh):
     run, model = fresh
-    before = sorted(p for p in run.parent.parent.rglob("*"))
+    before = _files(run.parent.parent)
     result = agent("apply", run, "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "+# nightshift: route tuned regions through llama_nightshift.py (run llama-test)" in result.stdout
     assert f"would write {model.parent / 'llama_nightshift.py'}" in result.stdout
     assert f"would write {run / 'patches' / 'llama.patch'}" in result.stdout
-    assert sorted(p for p in run.parent.parent.rglob("*")) == before
+    assert _files(run.parent.parent) == before
     assert model.read_text() == EXAMPLE.read_text()
 
 
@@ -236,10 +241,13 @@ def test_applying_twice_is_harmless(fresh):
     patched_text = model.read_text()
     third = apply_run(run)
     assert third.already_applied and third.patch == "" and not third.warnings
-    assert (run / "patches" / "llama.patch").read_text() == ""
+    # The patch that applied is kept for the record, never overwritten with an empty one.
+    assert (run / "patches" / "llama.patch").read_text() == first.patch
+    assert str(run / "patches" / "llama.patch") not in third.written
     assert model.read_text() == patched_text and kernels.read_text() == module_text
     result = agent("apply", run)
     assert result.returncode == 0 and "already applied" in result.stdout, result.stderr
+    assert (run / "patches" / "llama.patch").read_text() == first.patch
 
 
 def test_region_filter_and_unknown_region(fresh):

@@ -126,31 +126,72 @@ BAD = {
     "bracketed path": (["profile", "--model", "gone/[old]/[/x].py"], "gone/[old]/[/x].py: model file not found"),
     "tune, missing model file": (["tune", "--model", "tests/models/no_such_model.py", "--json"], "no_such_model.py"),
     "syntax error in model": (["profile", "--model", "tests/models/bad_syntax.py"], "syntax error at line 6"),
-    "gpu-hours nan": (["tune", "--model", TINY, "--gpu-hours", "nan"], "gpu_hours"),
-    "gpu-hours negative": (["tune", "--model", TINY, "--gpu-hours", "-1"], "gpu_hours"),
-    "patience negative": (["tune", "--model", TINY, "--patience", "-3"], "patience"),
+    "sys.exit in a model file": (["tune", "--model", "tests/models/bad_sys_exit.py"], "called sys.exit(3)"),
+    "sys.exit in get_inputs": (["profile", "--model", "tests/models/bad_sys_exit_in_inputs.py"],
+                               "called sys.exit('no inputs here')"),
+    "gpu-hours nan": (["tune", "--model", TINY, "--gpu-hours", "nan"], "--gpu-hours must be a finite"),
+    "gpu-hours negative": (["tune", "--model", TINY, "--gpu-hours", "-1"], "--gpu-hours"),
+    "gpu-hours zero": (["tune", "--model", TINY, "--gpu-hours", "0"], "--gpu-hours 0: no trial fits"),
+    "max-candidates zero": (["tune", "--model", TINY, "--max-candidates", "0"], "--max-candidates 0: nothing"),
+    "max-candidates negative": (["tune", "--model", TINY, "--max-candidates", "-2"], "--max-candidates"),
+    "patience negative": (["tune", "--model", TINY, "--patience", "-3"], "--patience"),
+    "patience zero": (["tune", "--model", TINY, "--patience", "0"], "--patience 0"),
+    "max-usd zero": (["tune", "--model", TINY, "--max-usd", "0"], "--max-usd 0"),
+    "workers-per-gpu negative": (["tune", "--model", TINY, "--workers-per-gpu", "-1"], "--workers-per-gpu"),
+    "max-regions negative": (["tune", "--model", TINY, "--max-regions", "-1"], "--max-regions -1"),
+    "profile max-regions zero": (["profile", "--model", TINY, "--max-regions", "0"], "--max-regions 0"),
+    "coverage outside (0, 1]": (["profile", "--model", TINY, "--coverage", "2"], "--coverage 2"),
+    # The whole message, not pydantic's first line.
+    "tolerance nan": (["tune", "--model", TINY, "--tolerance", "abs:nan"],
+                      "--tolerance 'abs:nan': the bound must be a finite, non-negative number (abs:1e-3, rel:1e-2)"),
+    "tolerance kind": (["profile", "--model", TINY, "--tolerance", "max:1"], "the kind must be abs or rel"),
+    "tolerance not a number": (["profile", "--model", TINY, "--tolerance", "abs:tiny"], "'tiny' is not a number"),
+    "region-tolerance without a class": (["profile", "--model", TINY, "--region-tolerance", "abs:1"],
+                                         "--region-tolerance"),
+    "unknown region": (["tune", "--model", TINY, "--regions", "Nope"], "--regions: no module class Nope"),
+    "region-tolerance for an unknown class": (["profile", "--model", TINY, "--region-tolerance", "Nope=abs:1"],
+                                              "--region-tolerance: no module class Nope"),
+    "no device": (["tune", "--model", TINY, "--devices", ","], "--devices ',': no device given"),
+    "malformed device": (["tune", "--model", TINY, "--devices", "cuda:abc"], "--devices 'cuda:abc'"),
+    "planner twice": (["tune", "--model", TINY, "--planner", "template,template"], "names a planner twice"),
+    "unknown executor": (["tune", "--model", TINY, "--executor", "slurm"], "--executor 'slurm'"),
     "neither model nor resume": (["tune"], "--model"),
+    "both model and resume": (["tune", "--model", TINY, "--resume", "runs/x"], "--model"),
     "profile on cuda": (["profile", "--model", TINY, "--device", "cuda"], "CUDA"),
+    "runs-dir on a read-only file system": (["profile", "--model", TINY, "--runs-dir", "/proc/nightshift-runs"],
+                                            "--runs-dir /proc/nightshift-runs: cannot create folders"),
+    # Parse errors: one line too, never a usage box.
+    "unknown option": (["tune", "--max-candidatez", "3"], "No such option: --max-candidatez"),
+    "not an integer": (["tune", "--model", TINY, "--max-candidates", "many"], "Invalid value for '--max-candidates'"),
+    "missing option value": (["apply", "runs/x", "--region"], "requires an argument"),
+    "unknown command": (["tunes"], "No such command 'tunes'"),
+    "missing argument": (["try"], "Missing argument"),
 }
 BAD_ON_RUN = {
     "unknown planner": (["tune", "--resume", "{run}", "--planner", "nope", "--json"], "nope"),
     "tune on cuda devices": (["tune", "--resume", "{run}", "--devices", "cuda:0", "--json"], "CUDA"),
     "try on a non-run folder": (["try", "{runs}", CANDIDATES / "rmsnorm_triton.py"], "neither a run folder"),
     "try, unknown region": (["try", "{run}", CANDIDATES / "rmsnorm_triton.py", "--region", "Nope"], "Nope"),
+    "try, missing candidate": (["try", "{run}", "{runs}/nope.py"], "nope.py: candidate file not found"),
     "status of a non-run folder": (["status", "{runs}"], "not a run folder"),
+    "resume a non-run folder": (["tune", "--resume", "{runs}"], "not a run folder"),
+    "runs-dir is a file": (["tune", "--model", TINY, "--runs-dir", "{run}/run.json"], "is a file, not a directory"),
 }
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, words: str) -> None:
     assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
+    assert "Usage:" not in result.stderr and "╭" not in result.stderr, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
 
 
 @pytest.mark.parametrize("args, words", BAD.values(), ids=BAD.keys())
 def test_bad_input_exits_2_with_one_line(args, words, tmp_path):
-    result = agent(*args, "--runs-dir", tmp_path) if args[0] == "profile" or "--model" in args else agent(*args)
+    extra = ["--runs-dir", tmp_path] if (args[0] == "profile" or "--model" in args) and "--runs-dir" not in args \
+        else []
+    result = agent(*args, *extra)
     assert_one_line_error(result, words)
     assert not list(tmp_path.iterdir()), "a bad input left a run folder behind"
 
@@ -158,4 +199,33 @@ def test_bad_input_exits_2_with_one_line(args, words, tmp_path):
 @pytest.mark.parametrize("args, words", BAD_ON_RUN.values(), ids=BAD_ON_RUN.keys())
 def test_bad_input_on_a_run_exits_2_with_one_line(args, words, tiny_run, tmp_path):
     args = [str(a).replace("{run}", str(tiny_run)).replace("{runs}", str(tmp_path)) for a in args]
+    before = _tree(tiny_run)
     assert_one_line_error(agent(*args), words)
+    assert _tree(tiny_run) == before, "a bad input changed the run"
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes, but SQLite's own -wal/-shm files (a reader of a WAL store makes them)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
+
+
+@pytest.mark.parametrize("command", ["status", "report", "tune --resume", "try", "apply", "integrate"])
+def test_a_garbage_run_json_is_named(command, tiny_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "run.json").write_text('{"run_id": "x", "model_file": 3')
+    before = _tree(run)
+    args = command.split() + [run] + ([CANDIDATES / "rmsnorm_triton.py"] if command == "try" else [])
+    result = agent(*args)
+    assert_one_line_error(result, f"{run / 'run.json'} is not a valid run description")
+    assert _tree(run) == before
+
+
+def test_a_garbage_integration_json_is_named_by_apply(tiny_run, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "integration.json").write_text("[1, 2")
+    assert_one_line_error(agent("apply", run), f"{run / 'integration.json'} cannot be read")

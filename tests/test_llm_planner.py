@@ -51,7 +51,9 @@ MODEL = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o"}
 def test_llm_rounds_feed_back_results_and_record_costs(tmp_path, provider):
     script = [answer(reply(("plain torch rewrite", GOOD, None), ("wrong eps", WRONG, None)), 1200, 800),
               answer(reply(("probe", KEY_PROBE, None), ("sum instead of mean", TUNABLE, {"CHUNK": [1, 2]})), 1500, 900),
-              answer("Sorry, I can't produce JSON today.", 900, 20)]
+              answer("Sorry, I can't produce JSON today.", 900, 20),
+              answer(reply(), 950, 10),  # asked again after the prose: nothing more to propose
+              answer(reply(), 960, 10)]  # and once more with the whole round's results: still nothing
     with ReplayServer(script) as server:
         proc = tune(tmp_path, provider, server)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,10 +70,12 @@ def test_llm_rounds_feed_back_results_and_record_costs(tmp_path, provider):
     assert any(h in second for h in trials) and ("wrong" in second or "still running" in second)
     # Every call is in the store with its tokens and cost; the malformed answer is kept raw.
     calls = list(db.execute("SELECT input_tokens, output_tokens, usd, ok FROM llm_calls ORDER BY id"))
-    assert [c[:2] for c in calls[:3]] == [(1200, 800), (1500, 900), (900, 20)]
+    assert [c[:2] for c in calls] == [(1200, 800), (1500, 900), (900, 20), (950, 10), (960, 10)]
     assert all(c[2] > 0 and c[3] == 1 for c in calls[:3])
     raw = [json.loads(b) for (k, b) in db.execute("SELECT kind, body FROM events") if k == "malformed_answer"]
     assert raw and "can't produce JSON" in raw[0]["raw"]
+    # The prose answer was not the end: the model was asked again, told why.
+    assert len(server.requests) == 5 and "could not be read" in json.dumps(server.requests[3].body)
     # The key reached the server as a header but never the recording, nor candidate code.
     assert all(r.auth_header for r in server.requests)
     assert "sk-test-not-real" not in json.dumps([r.body for r in server.requests])

@@ -388,3 +388,79 @@ def test_stop_rule_rejects_impossible_budgets(field, value, words):
         StopRule(**{field: value})
     message = str(info.value)
     assert field in message and words in message
+
+
+# -- attempts without a result ---------------------------------------------------------------
+def test_a_lost_trial_is_retried_a_bounded_number_of_times():
+    from agent.history import MAX_LOST, MAX_TUNER_DEATHS
+    history = History({REGION: ["cpu"]})
+    history.add(_trial("x", "cpu", Status.lost))
+    assert not history.done(REGION, "x", "cpu")  # lost with its worker: not a result, run again
+    for _ in range(MAX_LOST - 1):
+        history.add(_trial("x", "cpu", Status.lost))
+    assert history.done(REGION, "x", "cpu") and history.tried(REGION, "x")  # and then no more
+    history.interrupted[(REGION, "y", "cpu")] = MAX_TUNER_DEATHS - 1
+    assert not history.done(REGION, "y", "cpu")
+    history.interrupted[(REGION, "y", "cpu")] = MAX_TUNER_DEATHS
+    assert history.done(REGION, "y", "cpu")
+
+
+def _simulate_killed_sessions(run: RunFolder, source: str, times: int) -> None:
+    store = run.store()
+    for _ in range(times):
+        store.event("session", pid=0)
+        store.event("start", region=REGION, candidate=h(source), generation="cpu")
+    store.close()
+
+
+def test_a_trial_the_tuner_died_in_is_run_again_then_recorded_lost(run):
+    other = SLOW.replace("{i}", "1")
+    _simulate_killed_sessions(run, RIGHT, 1)
+    outcome, _, history = run_loop(run, StubPlanner([RIGHT]), StopRule(max_candidates=10, patience=10))
+    assert [t.status for t in stored(run)] == [Status.ok]  # interrupted once: simply run again
+
+    from agent.history import MAX_TUNER_DEATHS
+    _simulate_killed_sessions(run, other, MAX_TUNER_DEATHS)  # killed again and again in it: it may be the killer
+    outcome, _, history = run_loop(run, StubPlanner([other, JUST_OUTSIDE]), StopRule(max_candidates=10, patience=10))
+    by_hash = {t.candidate_hash: t for t in stored(run)}
+    assert by_hash[h(other)].status is Status.lost
+    assert f"the tuner stopped {MAX_TUNER_DEATHS} times" in by_hash[h(other)].reason
+    assert by_hash[h(JUST_OUTSIDE)].status is Status.wrong  # the search went on past it
+    assert outcome.stop_reason == "planners have nothing new to try"
+
+
+def test_a_clean_stop_does_not_count_as_the_tuner_dying(run):
+    store = run.store()
+    for kind in ("session", "start", "cancel", "stop"):
+        store.event(kind, region=REGION, candidate=h(RIGHT), generation="cpu", reason="interrupted (Ctrl-C)")
+    assert store.unfinished() == {} and store.ended_cleanly()
+    store.close()
+
+
+class Raises(StubPlanner):
+    def propose(self, problem, history, n):
+        if history.trials:
+            raise RuntimeError("the planner has a bug")
+        return super().propose(problem, history, n)
+
+
+def test_a_planner_exception_is_recorded_as_what_it_was(run):
+    outcome, _, _ = run_loop(run, Raises([RIGHT, SLOW.replace("{i}", "0")]), StopRule(max_candidates=10, patience=10))
+    assert outcome.stop_reason == "planner stub failed: RuntimeError: the planner has a bug"
+    assert outcome.planner_failure == outcome.stop_reason
+    store = run.store(readonly=True)
+    try:
+        assert store.last_event("stop")["reason"] == outcome.stop_reason  # not "interrupted"
+        (error,) = store.events("planner_error")
+        assert "Traceback" in error["detail"] and "the planner has a bug" in error["detail"]
+    finally:
+        store.close()
+
+
+def test_the_trial_time_estimate_survives_a_resume(run):
+    run_loop(run, StubPlanner([RIGHT, SLOW.replace("{i}", "0")]), StopRule(max_candidates=10, patience=10))
+    history = load_history(run, run.problems(), ["cpu"])
+    fresh = Budget(StopRule())
+    fresh.remember(history.trials)
+    walls = [t.phases["wall"] - t.phases.get("start", 0.0) for t in history.trials]
+    assert fresh.estimate() == pytest.approx(max(walls)) and fresh.estimate() < 20.0

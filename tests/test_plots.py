@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from agent.plots import bar_chart, fmt_tick, line_chart, nice_ticks
+from agent.report.plots import bar_chart, fmt_tick, line_chart, nice_ticks
 
 NS = {"s": "http://www.w3.org/2000/svg"}
 

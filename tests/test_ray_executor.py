@@ -257,7 +257,7 @@ def test_resume_after_a_stop_redoes_nothing(run, executor):
 
 def test_a_target_generation_missing_from_the_cluster_is_an_error_before_the_first_trial(run, ray_cluster):
     from agent.executors.ray import ClusterError, RayExecutor
-    from agent.jobs import UserError, run_tune
+    from agent.tuning import UserError, run_tune
     with pytest.raises(ClusterError, match="no worker of target generation c "):
         RayExecutor([run.problems_dir / REGION], targets=["a", "c"], limits=LIMITS)
 

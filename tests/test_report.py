@@ -159,11 +159,14 @@ def test_report_from_another_directory_before_integration(tuned):
     assert "Integration has not run yet" in md
     assert "CPU timings (host clock, not GPU numbers)" in md and "baseline CPU ms" in md
     assert re.search(r"^\| RMSNorm \| 100% \| 4 \| \d \| \d+\.\d\dx \| cpu \d+\.\d\dx \(CPU\) \|", md, re.M), md
-    # The winner's diff against the original class, found in the run's candidates/ folder
-    # although the trial recorded a path relative to where tune ran.
-    assert "```diff\n--- RMSNorm (original)\n+++ candidates/" in md
-    assert "-class RMSNorm(nn.Module):" in md and "+def forward(module" in md
-    assert "## Rejected candidates by reason" in md and "(template/layernorm)" in md
+    # The winner's diff against the original forward (not the whole class: the constructor is
+    # not what changed), found in the run's candidates/ folder although the trial recorded a
+    # path relative to where tune ran.
+    assert "```diff\n--- RMSNorm.forward (original)\n+++ candidates/" in md
+    assert "-def forward(self, x):" in md and "+def forward(module" in md
+    diff = md[md.index("```diff"):md.index("```", md.index("```diff") + 3)]
+    assert "__init__" not in diff and "class RMSNorm" not in diff
+    assert "## Rejected candidates by reason" in md and "(template/layernorm, cpu)" in md
     for name in ("progress-trials", "progress-time", "regions"):
         assert f"(report-{name}.svg)" in md and (tuned / f"report-{name}.svg").read_text().startswith("<svg")
     html = (tuned / "report.html").read_text()
@@ -222,7 +225,7 @@ def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
     diff = re.search(r'<div class="diff">(.*?)</div>\s*</section>', dom, re.S).group(1)
     assert 'class="l add"' in diff and 'class="l del"' in diff
     assert re.search(r'<span style="color:#[0-9a-fA-F]{3,6}[^"]*">def</span>', diff)
-    assert "forward" in diff and "RMSNorm (original)" in diff
+    assert "forward" in diff and "RMSNorm.forward (original)" in diff and "__init__" not in diff
 
     rejected = dom[dom.index('id="rejected"'):]
     assert "wrong" in rejected and "template / layernorm" in rejected

@@ -132,8 +132,10 @@ class LocalExecutor:
         return sorted({s.generation for s in self.slots})
 
     def run(self, jobs: list[tuple[Candidate, str, str]], budget: Budget,
-            should_stop: Callable[[], bool] = lambda: False) -> Iterator[Trial]:
-        """Run (candidate, generation, saved path) jobs; yields trials as they finish."""
+            should_stop: Callable[[], bool] = lambda: False,
+            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial]:
+        """Run (candidate, generation, saved path) jobs; yields trials as they finish.
+        `on_start(candidate, generation)` is called from a worker thread as each one starts."""
         queues: dict[str, queue.Queue] = {g: queue.Queue() for g in self.generations}
         for job in jobs:
             queues[job[1]].put(job)
@@ -152,6 +154,7 @@ class LocalExecutor:
                         if budget.exhausted or should_stop():
                             return
                         budget.wait(0.5)  # a sibling's trial may end sooner than reserved
+                    on_start(cand, gen)
                     try:
                         trial = runner.run(cand, candidate_path=path)
                     except Exception as e:  # a harness bug costs this trial, not the night

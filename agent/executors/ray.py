@@ -202,7 +202,8 @@ class RayExecutor:
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, jobs: list[tuple[Candidate, str, str]], budget: Budget,
-            should_stop: Callable[[], bool] = lambda: False) -> Iterator[Trial]:
+            should_stop: Callable[[], bool] = lambda: False,
+            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial]:
         """Run (candidate, generation, saved path) jobs on the cluster; yields trials as they finish."""
         ray = self.ray
         self.stopping.clear()
@@ -244,6 +245,7 @@ class RayExecutor:
                     launching = False  # until a trial in flight ends: it may make room
                     break
                 queues[job.generation].popleft()
+                on_start(job.candidate, job.generation)
                 actor.busy += 1
                 ref = actor.handle.run.remote(job.candidate.model_dump_json(), job.path)
                 flights[ref] = _Flight(job, actor, token, time.time())

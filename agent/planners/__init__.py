@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from agent.planners.base import Combined, Planner, PlannerError, PlannerFailed
 
-from agent.history import History
-from tools.problem import Problem
-from tools.trial import Candidate
+__all__ = ["Combined", "Planner", "PlannerError", "PlannerFailed", "make_planner", "PLANNERS"]
 
-
-class Planner(Protocol):
-    name: str
-
-    def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
-        """Up to n new candidates for `problem`, given everything tried so far."""
-        ...
-
-
-class PlannerError(Exception):
-    """A planner that cannot work as configured (e.g. a missing API key); says how to fix it."""
+PLANNERS = ("template", "files", "anthropic", "openai")
 
 
 def make_planner(spec: str, **options) -> Planner:
@@ -41,20 +29,7 @@ def make_planner(spec: str, **options) -> Planner:
     unknown = [n for n in names if n not in table]
     if not names or unknown:
         raise PlannerError(f"unknown planner {', '.join(unknown) or spec!r}: choose from {', '.join(table)}")
+    if len(set(names)) != len(names):
+        raise PlannerError(f"--planner {spec!r} names a planner twice")
     planners = [table[n](**options) for n in names]
-    return planners[0] if len(planners) == 1 else Combined(planners)
-
-
-class Combined:
-    """Several planners share each round; each gets a fair part of the batch."""
-
-    def __init__(self, planners: list[Planner]):
-        self.planners = planners
-        self.name = ",".join(p.name for p in planners)
-
-    def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
-        out: list[Candidate] = []
-        share = max(1, n // len(self.planners))
-        for p in self.planners:
-            out += p.propose(problem, history, share)
-        return out
+    return planners[0] if len(planners) == 1 else Combined(planners, options.get("on_failure", lambda e: None))

@@ -4,9 +4,12 @@ and proposes kernel rewrites and fusions. The tolerance still decides.
 Each region keeps its own short conversation: the first message is the problem (rendered from
 `prompts/llm/propose.j2`), and every later round starts with the results of the model's last
 proposals (`feedback.j2`) followed by the refreshed problem, so the model learns from what
-failed. Answers are parsed into candidates with pydantic; a malformed answer is recorded with
-its raw text and skipped. Calls and their cost go to the run's store; past `--max-usd` the
-planner stops proposing, cleanly.
+failed. Answers are parsed into candidates with pydantic; an answer that cannot be read
+(prose, an empty or null message, broken JSON) is recorded with its raw text, and the model is
+asked again, told why, up to `MAX_ASKS` times per proposal. Calls and their cost go to the
+run's store; past `--max-usd` the planner stops proposing, cleanly. An API failure that the
+client's retries could not get past (a 401, a run of 5xx) stops the planner for the session:
+`failure` says why, in the provider's words, and `notify` says it at once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from tools.trial import Candidate
 
 KEEP_EXCHANGES = 2
 """Past (answer, feedback) pairs kept in a region's conversation, besides the first prompt."""
+MAX_ASKS = 3
+"""Answers asked for per proposal before unreadable ones end it (each is recorded)."""
+UNREADABLE = ("Your last answer could not be read: {why}. Answer again with only the JSON object "
+              'described above: {{"candidates": [{{"source": "...", "note": "..."}}]}}.')
 
 
 class LLMCandidate(BaseModel):
@@ -75,7 +82,7 @@ def _ms(value: float | None) -> str:
 class LLMPlanner:
     def __init__(self, client, record: Callable[..., None] = lambda **kw: None,
                  usd_spent: Callable[[], float] = lambda: 0.0, max_usd: float | None = None,
-                 device: str = "the target GPU", **_):
+                 device: str = "the target GPU", notify: Callable[[str], None] = lambda reason: None, **_):
         self.client = client
         self.name = client.provider
         self.record = record
@@ -86,28 +93,51 @@ class LLMPlanner:
         self.proposed: dict[str, list[tuple[str, str]]] = {}
         self.malformed: dict[str, str] = {}
         self.stopped = ""
+        """Why the planner proposes nothing any more ('' while it still does)."""
+        self.failure = ""
+        """The same, when the reason is a failure (the API, unreadable answers), not a cap."""
+        self.notify = notify
         self.lock = threading.Lock()
 
+    def _stop(self, reason: str, failure: bool) -> list[Candidate]:
+        if not self.stopped:
+            self.stopped = reason
+            self.failure = reason if failure else ""
+            if failure:
+                self.notify(reason)
+        return []
+
     def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
-        if self.max_usd is not None and self.usd_spent() >= self.max_usd:
-            self.stopped = f"dollar cap: ${self.usd_spent():.2f} spent of ${self.max_usd:.2f}"
+        if self.stopped:
             return []
+        if self.max_usd is not None and self.usd_spent() >= self.max_usd:
+            return self._stop(f"dollar cap: ${self.usd_spent():.2f} spent of ${self.max_usd:.2f}", failure=False)
         messages = self._messages(problem, history, n)
         from agent.llm import LLMError
-        try:
-            reply = self.client.complete(render_prompt("llm/system.j2", tolerance_kind=problem.tolerance.kind),
-                                         messages)
-        except LLMError as e:
-            self.record(kind="llm_error", region=problem.name, error=str(e))
-            return []
-        self.record(kind="llm_call", region=problem.name, reply=reply)
-        self.conversations[problem.name] = messages + [{"role": "assistant", "content": reply.text}]
-        try:
-            parsed = parse_answer(reply.text)
-        except MalformedAnswer as e:
-            self.malformed[problem.name] = str(e)
-            self.record(kind="malformed_answer", region=problem.name, error=str(e), raw=reply.text[:20000])
-            return []
+        system = render_prompt("llm/system.j2", tolerance_kind=problem.tolerance.kind)
+        for ask in range(1, MAX_ASKS + 1):
+            try:
+                reply = self.client.complete(system, messages)
+            except LLMError as e:
+                self.record(kind="llm_error", region=problem.name, error=str(e))
+                return self._stop(f"{self.name} planner stopped: {e}", failure=True)
+            self.record(kind="llm_call", region=problem.name, reply=reply)
+            messages = messages + [{"role": "assistant", "content": reply.text}]
+            try:
+                parsed = parse_answer(reply.text)
+                break
+            except MalformedAnswer as e:
+                self.malformed[problem.name] = str(e)
+                self.record(kind="malformed_answer", region=problem.name, error=str(e), raw=reply.text[:20000])
+                if ask == MAX_ASKS:
+                    self.conversations[problem.name] = messages
+                    return self._stop(f"{self.name} planner stopped: {MAX_ASKS} answers in a row for "
+                                      f"{problem.name} could not be read (the last: {e})", failure=True)
+                if self.max_usd is not None and self.usd_spent() >= self.max_usd:
+                    return self._stop(f"dollar cap: ${self.usd_spent():.2f} spent of ${self.max_usd:.2f}",
+                                      failure=False)
+                messages = messages + [{"role": "user", "content": UNREADABLE.format(why=e)}]
+        self.conversations[problem.name] = messages
         self.malformed.pop(problem.name, None)
         out = []
         for c in parsed[:n]:

@@ -1,12 +1,12 @@
-"""The winning candidates merged into ONE kernels module, for `agent apply` (agent/apply.py).
+"""The winning candidates merged into ONE kernels module, for `agent apply` (agent/apply/command.py).
 
 Each candidate file defines `forward` and its own Triton kernels, often with the same names as
 another's (`_kernel`, `BLOCK`, `forward`), so they are merged with `ast`: every name a candidate
 binds at module level is renamed to a region-specific one (`_rmsnorm` -> `_LlamaRMSNorm__rmsnorm`,
 `forward` -> `forward_LlamaRMSNorm`) and every reference that resolves to it is rewritten,
-scope-aware (agent/rename.py). Imports are hoisted and deduplicated. The module ends with
-`REGIONS`, `CLASSES` and `install(namespace)`, which points each region class's `forward` at its
-tuned forward.
+scope-aware (agent/apply/rename.py). Imports are hoisted and deduplicated. The module ends with
+`REGIONS`, `CLASSES`, `MODULES`, `NEEDS_GPU` and `install(namespace)` (agent/apply/routing.py),
+which points each region class's `forward` at its tuned forward.
 """
 
 from __future__ import annotations
@@ -15,21 +15,11 @@ import ast
 import builtins
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from agent.rename import Binder, Renamer, import_as, import_binding
-
-if TYPE_CHECKING:
-    from agent.apply import Winner
-    from tools.e2e import IntegrationResult
-
-# Module-level names the generated routing code owns; candidates' names are renamed around them.
-RESERVED = {"REGIONS", "CLASSES", "install", "_nightshift_route", "_nightshift_os", "_nightshift_torch",
-            "_nightshift_warnings"}
-
-
-class CandidateSkipped(Exception):
-    """A region's candidate cannot be used; the message says why. Reported, not fatal."""
+from agent.apply.rename import Binder, Renamer, import_as, import_binding
+from agent.apply.routing import IMPORTS, RESERVED, ROUTING
+from agent.apply.winners import CandidateSkipped, Winner
+from tools.e2e import IntegrationResult
 
 
 def _identifier(name: str) -> str:
@@ -56,6 +46,8 @@ class _Part:
     body: list[ast.stmt]
     renames: dict[str, str]
     forward: str
+    needs_gpu: bool = False
+    """The candidate imports Triton: its kernels need a GPU (or Triton's interpreter)."""
 
 
 def merge_candidates(winners: list[Winner]) -> tuple[list[str], list[str], list[_Part]]:
@@ -138,7 +130,11 @@ def merge_candidates(winners: list[Winner]) -> tuple[list[str], list[str], list[
             raise CandidateSkipped("the candidate defines no module-level `forward`")
         renamer = Renamer(renames)
         new_body = renamer.rename_body(kept_in_place + rest)
-        parts.append(_Part(w, new_body, {k: v for k, v in renames.items() if k in bound}, renames["forward"]))
+        triton = any(a.name.split(".")[0] == "triton" for n in ast.walk(tree) if isinstance(n, ast.Import)
+                     for a in n.names) or any(isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0]
+                                              == "triton" for n in ast.walk(tree))
+        parts.append(_Part(w, new_body, {k: v for k, v in renames.items() if k in bound}, renames["forward"],
+                           triton))
     return futures, imports, parts
 
 
@@ -151,47 +147,6 @@ def _statements(body: list[ast.stmt]) -> str:
         out.append(ast.unparse(ast.fix_missing_locations(stmt)))
         prev_def = is_def
     return "".join(out) + "\n"
-
-
-ROUTING = '''
-
-def _nightshift_route(cls, region, tuned):
-    """Point cls.forward at `tuned`; installing again replaces the routing, never wraps it."""
-    current = cls.__dict__.get("forward")
-    original = getattr(current, "__nightshift_original__", None) or cls.forward
-
-    def forward(self, *args, **kwargs):
-        # Instances of subclasses were never verified, and the tuned kernels define no backward
-        # and were verified for inference only: those calls keep the original forward.
-        if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()):
-            return original(self, *args, **kwargs)
-        return tuned(self, *args, **kwargs)
-
-    forward.__nightshift_original__ = original
-    forward.__nightshift_region__ = region
-    forward.__doc__ = f"nightshift: {cls.__qualname__}.forward routed through {tuned.__name__}"
-    cls.forward = forward
-
-
-def install(namespace: dict) -> list[str]:
-    """Route every region class found in `namespace` (the model module's globals) through its
-    tuned forward; returns the routed class names. NIGHTSHIFT_DISABLE=1 routes nothing."""
-    if _nightshift_os.environ.get("NIGHTSHIFT_DISABLE", "").strip() not in ("", "0"):
-        return []
-    routed = []
-    for region, qualname in CLASSES.items():
-        head, *rest = qualname.split(".")
-        cls = namespace.get(head)
-        for part in rest:
-            cls = getattr(cls, part, None)
-        if not isinstance(cls, type):
-            _nightshift_warnings.warn(f"nightshift: no class {qualname} in the model; {region} not routed",
-                                      stacklevel=2)
-            continue
-        _nightshift_route(cls, region, REGIONS[region])
-        routed.append(qualname)
-    return routed
-'''
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -221,8 +176,7 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
     text = "\n".join(head) + "\n"
     if futures:
         text += "\n".join(futures) + "\n"
-    text += "\n" + "\n".join(imports + ["import os as _nightshift_os", "import torch as _nightshift_torch",
-                                        "import warnings as _nightshift_warnings"]) + "\n"
+    text += "\n" + "\n".join(imports + IMPORTS) + "\n"
     if integration is not None and integration.workloads:
         text += "\n# End to end (integration.json, " + ("CPU timing" if integration.timing_kind == "cpu" else
                                                         f"GPU timing on {integration.generation or integration.device}") + "):\n"
@@ -232,8 +186,9 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
     for part in parts:
         w = part.winner
         timing = "CPU timing" if w.timing in ("", "cpu") else f"timed on {w.timing}"
-        origin = ("kept end to end by integration" if w.chosen_by == "integration"
-                  else "best kept candidate in the run's store")
+        origin = {"integration": "kept end to end by integration",
+                  "integration-slower": "dropped by integration as not faster; applied because of --allow-slower"
+                  }.get(w.chosen_by, "best kept candidate in the run's store")
         how = ", ".join(x for x in (f"planner {w.planner}" if w.planner else "",
                                      f"template {w.template}" if w.template else "") if x)
         renamed = ", ".join(f"{k} -> {v}" for k, v in sorted(part.renames.items()))
@@ -242,6 +197,8 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
                  f"error {_fmt(w.error, '.3g')} vs tolerance {w.tolerance}",
                  f"run {run_id}: {origin}",
                  f"renamed: {renamed}"]
+        if w.class_module:
+            lines.append(f"the class is defined in {w.class_module}: routed in this process only, never edited")
         text += "\n\n" + "# " + "=" * 88 + "\n" + "".join(f"# {x}\n" for x in lines) + "# " + "=" * 88 + "\n\n"
         text += _statements(part.body)
     text += "\n\n" + "# " + "=" * 88 + "\n# Routing: the model file calls install(globals()).\n\n"
@@ -249,6 +206,11 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
     text += '"""Region -> its tuned forward(module, *inputs)."""\n'
     text += "CLASSES = {" + ", ".join(f"{p.winner.region!r}: {p.winner.region_class!r}" for p in parts) + "}\n"
     text += '"""Region -> qualified name of the module class whose forward it replaces."""\n'
+    text += "MODULES = {" + ", ".join(f"{p.winner.region!r}: {p.winner.class_module!r}" for p in parts
+                                      if p.winner.class_module) + "}\n"
+    text += '"""Region -> the module its class is defined in, when not the model file (patched at run time)."""\n'
+    text += "NEEDS_GPU = {" + ", ".join(f"{p.winner.region!r}: {p.needs_gpu!r}" for p in parts) + "}\n"
+    text += '"""Region -> whether its forward runs Triton kernels (which need a GPU or TRITON_INTERPRET=1)."""\n'
     text += ROUTING
     tree = ast.parse(text)  # what we write must at least parse, with one definition per name
     names = [t.id for s in tree.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)]

@@ -1,4 +1,4 @@
-"""Scope-aware renaming of module-level names in a candidate's AST, for agent/merge.py.
+"""Scope-aware renaming of module-level names in a candidate's AST, for agent/apply/merge.py.
 
 `Renamer` rewrites every reference that resolves to the module scope and is in its mapping: a
 kernel parameter or a local that happens to share a global's name is left alone, `global` and

@@ -6,8 +6,12 @@ instead of a blank plot when there is nothing to draw yet."""
 from __future__ import annotations
 
 import math
+import re
 from html import escape
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from agent.report.data import ReportData
 
 PALETTE = ["#1f6feb", "#d1242f", "#1a7f37", "#9a6700", "#8250df", "#bf3989", "#0a7b83", "#57606a"]
 FONT = "-apple-system, 'Segoe UI', Helvetica, Arial, sans-serif"
@@ -99,13 +103,18 @@ class _Frame:
                 f'text-anchor="middle" fill="{MUTED}" font-size="14">{escape(text)}</text>')
 
 
+_LONG_COORDINATE = re.compile(r'(?<=[a-z]=")(-?\d+\.\d{3,})(?=")')
+
+
 def _svg(width: int, height: int, title: str, body: list[str]) -> str:
     head = (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" role="img" aria-label="{escape(title)}" font-family="{escape(FONT)}" font-size="12">')
-    return "\n".join([head, f"<title>{escape(title)}</title>",
+    text = "\n".join([head, f"<title>{escape(title)}</title>",
                       f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
                       f'<text x="{width / 2}" y="20" text-anchor="middle" fill="{INK}" font-size="14" '
                       f'font-weight="600">{escape(title)}</text>', *body, "</svg>"]) + "\n"
+    # Coordinates to two decimals: 129.32999999999998 is float noise, not precision.
+    return _LONG_COORDINATE.sub(lambda m: f"{float(m.group(1)):.2f}", text)
 
 
 def _legend(names: Sequence[str], width: int, left: int) -> tuple[list[str], int]:
@@ -200,3 +209,28 @@ def bar_chart(bars: Sequence[tuple[str, float | None]], *, title: str, y_label: 
         body.append(f'<text x="{cx:.2f}" y="{top - 5:.2f}" text-anchor="middle" fill="{INK}">'
                     f'{v:.2f}{escape(value_suffix)}</text>')
     return _svg(width, height, title, body)
+
+
+def plots(data: "ReportData") -> dict[str, str]:
+    """The report's images as SVG: best speedup so far against trials and against device
+    time, and the best speedup per region."""
+    by_trial, by_time = data.progress()
+    total = data.gpu_seconds
+    unit, div = (("s", 1.0) if total < 120 else ("min", 60.0) if total < 7200 else ("hours", 3600.0))
+    dev = "CPU time" if data.cpu_only else "GPU time"
+    kind = " (CPU timings)" if data.cpu_only else ""
+    several = any(len(r.best.speedups()) > 1 for r in data.regions if r.best)
+    bars = [(f"{r.name} · {g}", s) for r in data.regions if r.best for g, s in sorted(r.best.speedups().items())] \
+        if several else [(r.name, r.score) for r in data.regions]
+    bars += [(r.name, None) for r in data.regions if several and not r.best]
+    return {
+        "progress-trials": line_chart(by_trial, title=f"Best kept speedup vs trials{kind}", x_label="trials finished",
+                                      y_label="best speedup (x)", x_end=len(data.history.trials), ref_y=1.0,
+                                      ref_label="1.0x = original", empty="no kept candidate yet"),
+        "progress-time": line_chart({k: [(x / div, y) for x, y in v] for k, v in by_time.items()},
+                                    title=f"Best kept speedup vs {dev}{kind}", x_label=f"cumulative {dev}, {unit}",
+                                    y_label="best speedup (x)", x_end=total / div, ref_y=1.0,
+                                    ref_label="1.0x = original", empty="no kept candidate yet"),
+        "regions": bar_chart(bars, title=f"Best speedup per region{kind}",
+                             y_label="best speedup (x)", empty="no regions frozen"),
+    }

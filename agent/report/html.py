@@ -12,9 +12,9 @@ from html import escape
 from pygments.lexers import PythonLexer
 from pygments.styles import get_style_by_name
 
-from agent.plots import bar_chart, line_chart
-from agent.report import (ReportData, RegionView, device_time, e2e_speedup, fmt_err, fmt_ms, standings,
-                          within)
+from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
+from agent.report.numbers import device_time, e2e_speedup, fmt_err, fmt_params, fmt_ms, standings, tidy, within
+from agent.report.plots import plots
 
 MAX_DIFF_LINES = 600
 CSS = """
@@ -35,31 +35,6 @@ text-align:right;padding-right:6px;user-select:none}.diff .s{width:14px;text-ali
 .diff .add{background:#e6ffec}.diff .del{background:#ffebe9}.diff .hunk{background:#ddf4ff;color:#57606a}
 .diff .head{background:#f6f8fa;font-weight:600}section.region{border-top:1px solid #eaeef2;margin-top:18px}
 """
-
-
-def plots(data: ReportData) -> dict[str, str]:
-    """The report's images as SVG: best speedup so far against trials and against device
-    time, and the best speedup per region."""
-    by_trial, by_time = data.progress()
-    total = data.gpu_seconds
-    unit, div = (("s", 1.0) if total < 120 else ("min", 60.0) if total < 7200 else ("hours", 3600.0))
-    dev = "CPU time" if data.cpu_only else "GPU time"
-    kind = " (CPU timings)" if data.cpu_only else ""
-    several = any(len(r.best.speedups()) > 1 for r in data.regions if r.best)
-    bars = [(f"{r.name} · {g}", s) for r in data.regions if r.best for g, s in sorted(r.best.speedups().items())] \
-        if several else [(r.name, r.score) for r in data.regions]
-    bars += [(r.name, None) for r in data.regions if several and not r.best]
-    return {
-        "progress-trials": line_chart(by_trial, title=f"Best kept speedup vs trials{kind}", x_label="trials finished",
-                                      y_label="best speedup (x)", x_end=len(data.history.trials), ref_y=1.0,
-                                      ref_label="1.0x = original", empty="no kept candidate yet"),
-        "progress-time": line_chart({k: [(x / div, y) for x, y in v] for k, v in by_time.items()},
-                                    title=f"Best kept speedup vs {dev}{kind}", x_label=f"cumulative {dev}, {unit}",
-                                    y_label="best speedup (x)", x_end=total / div, ref_y=1.0,
-                                    ref_label="1.0x = original", empty="no kept candidate yet"),
-        "regions": bar_chart(bars, title=f"Best speedup per region{kind}",
-                             y_label="best speedup (x)", empty="no regions frozen"),
-    }
 
 
 # -- syntax-highlighted diff -------------------------------------------------------------------
@@ -141,6 +116,7 @@ def _card(value: str, key: str) -> str:
 
 def _summary(data: ReportData) -> list[str]:
     res, trials = data.integration, data.history.trials
+    spent = device_time(data.gpu_seconds, data.cpu_only)
     sp = e2e_speedup(res) if res else None
     e2e = f"{sp:.2f}x" if sp else "not yet"
     e2e_key = ("end-to-end speedup, weighted" + (" (CPU timing)" if res.timing_kind == "cpu" else "")) if res else \
@@ -151,9 +127,10 @@ def _summary(data: ReportData) -> list[str]:
     out = ['<section id="summary"><h2>Summary</h2>', '<div class="cards">', _card(escape(e2e), e2e_key),
            _card(f"{len(trials)}", f"trials run ({sum(r.counts.get('ok', 0) for r in data.regions)} passed)"),
            _card(f"{data.kept}", "candidates kept (passed on every target generation)"),
-           _card(escape(device_time(data).split(" ", 1)[0]), escape(device_time(data).split(" ", 1)[1]) + " spent"),
+           _card(escape(spent.split(" ", 1)[0]), escape(spent.split(" ", 1)[1]) + " spent"),
            _card(f"${data.usd:.2f}", "spent on LLM calls"), "</div>",
-           f"<p>{'Stopped: ' + escape(data.stop) if data.stop else 'No stop recorded: the run is still going (or was killed).'}</p>"]
+           f"<p>{escape(run_state(data))}</p>",
+           *(f"<p class='bad'>Planner stopped: {escape(tidy(why))}</p>" for why in data.planner_stops)]
     if res is None:
         out.append(f"<p><b>{escape(data.integration_error or 'Integration has not run yet')}</b>: there are no "
                    "end-to-end numbers for this run; the per-region results below are from the search alone.</p>")
@@ -187,9 +164,9 @@ def _summary(data: ReportData) -> list[str]:
         out.append("<p>Applied: " + ", ".join(f"{escape(a.region)} (<code>{escape(a.candidate_hash)}</code>"
                                               + (f", {a.region_speedup:.2f}x alone" if a.region_speedup else "") + ")"
                                               for a in res.accepted) + ".</p>")
-    out += [f"<p>Dropped {escape(d.region)} <code>{escape(d.candidate_hash)}</code>: {escape(d.reason)}.</p>"
+    out += [f"<p>Dropped {escape(d.region)} <code>{escape(d.candidate_hash)}</code>: {escape(tidy(d.reason))}.</p>"
             for d in res.dropped]
-    out += [f"<p class='muted'>{escape(str(n))}</p>" for n in getattr(res, "notes", [])]
+    out += [f"<p class='muted'>{escape(tidy(str(n)))}</p>" for n in getattr(res, "notes", [])]
     return out + ["</section>"]
 
 
@@ -217,7 +194,7 @@ def _region(data: ReportData, r: RegionView) -> str:
     if not b:
         return "\n".join(out + ["<p>No candidate passed the tolerance on every target generation yet.</p></section>"])
     per_gen = ", ".join(f"{escape(g)} {s:.2f}x ({data.kind(g)} timing)" for g, s in sorted(b.speedups().items()))
-    params = f" with <code>{escape(str(b.params))}</code>" if b.params else ""
+    params = f" with <code>{escape(fmt_params(b.params))}</code>" if fmt_params(b.params) else ""
     out.append(f"<p>Best: <b>{r.score:.2f}x</b> ({per_gen}) — <code>{escape(b.candidate_hash)}</code>, found by "
                f"planner <b>{escape(b.planner)}</b>, template <b>{escape(b.template or '-')}</b>{params}.</p>")
     rows = []
@@ -230,32 +207,34 @@ def _region(data: ReportData, r: RegionView) -> str:
     out.append(_table(["generation", "workload", "weight", "baseline", "best", "speedup", "error / tolerance", "flags"],
                       rows, {2, 3, 4, 5}))
     if r.source is None:
-        out.append(f"<p class='bad'>The source of {escape(b.candidate_hash)} was not found (looked at its recorded "
-                   "path and the run's candidates/ folder).</p>")
+        out.append(f"<p class='bad'>The source of {escape(b.candidate_hash)} is missing: no file with its content "
+                   f"was found (looked at {escape(', '.join(r.looked_at))}).</p>")
     else:
-        out.append(f"<p class='muted'>Diff against the original region source; candidate file "
-                   f"<code>{escape(str(r.source_path))}</code>.</p>")
-        out.append(diff_html(p.region_source, r.source, f"{p.region_class} (original)",
+        out.append(f"<p class='muted'>The original <code>{escape(p.region_class)}.forward</code> against the "
+                   f"candidate file that replaces it, <code>{escape(str(r.source_path))}</code>.</p>")
+        out.append(diff_html(r.original_forward, r.source, f"{p.region_class}.forward (original)",
                              f"candidates/{b.candidate_hash}.py"))
     return "\n".join(out + ["</section>"])
 
 
 def _rejected(data: ReportData) -> list[str]:
     out = ['<section id="rejected"><h2>Rejected candidates by reason</h2>']
-    any_failed = False
     for r in data.regions:
-        fails = {k: v for k, v in r.counts.items() if k != "ok"}
-        if not fails:
+        if not r.rejected:
             continue
-        any_failed = True
-        out.append(f"<h3>{escape(r.name)}</h3><p>" + ", ".join(f"<b>{escape(k)}</b> {v}" for k, v in
-                                                              sorted(fails.items(), key=lambda kv: -kv[1])) + "</p>")
-        out.append(_table(["candidate", "planner / template", "status", "reason"],
-                          [[f"<code>{escape(t.candidate_hash)}</code>", escape(f"{t.planner} / {t.template or '-'}"),
-                            escape(t.status.value), escape(t.reason[:240])] for t in r.failures]))
-    if not any_failed:
+        by_count = sorted(r.rejected.items(), key=lambda kv: -len(kv[1]))
+        out.append(f"<h3>{escape(r.name)}</h3><p>" + ", ".join(f"<b>{escape(k)}</b> {len(v)}" for k, v in by_count)
+                   + "</p>")
+        rows = []
+        for status, trials in by_count:
+            shown = trials[-MAX_EXAMPLES:]
+            label = escape(status) + (f" (last {len(shown)} of {len(trials)})" if len(trials) > len(shown) else "")
+            rows += [[f"<code>{escape(t.candidate_hash)}</code>", escape(f"{t.planner} / {t.template or '-'}"),
+                      escape(t.generation), label, escape(tidy(t.reason)[:240])] for t in shown]
+        out.append(_table(["candidate", "planner / template", "generation", "status", "reason"], rows))
+    if not any(r.rejected for r in data.regions):
         out.append("<p>None rejected.</p>")
-    out += [f"<p>Region {escape(n)} was not frozen: {escape(why)}</p>" for n, why in data.info.skipped.items()]
+    out += [f"<p>Region {escape(n)} was not frozen: {escape(tidy(why))}</p>" for n, why in data.info.skipped.items()]
     return out + ["</section>"]
 
 

@@ -1,0 +1,105 @@
+"""The routing code at the end of every generated kernels module (`<model>_nightshift.py`).
+
+`install(namespace)` points each region class's `forward` at its tuned forward. A class of the
+model file is found in the model module's globals (`namespace`); a class defined elsewhere, in
+code the user does not own (transformers' modules in site-packages), is found by importing its
+module by name and is patched in this process only: no file outside the model's folder is ever
+edited. NIGHTSHIFT_DISABLE=1 routes nothing.
+
+At each call the routed forward keeps the original one for what was never verified (instances
+of subclasses, training with autograd) and for what cannot run here: Triton kernels on tensors
+that are not on a GPU, without Triton's interpreter (TRITON_INTERPRET=1). That fallback warns
+once per process.
+"""
+
+RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "install", "_nightshift_route",
+            "_nightshift_os", "_nightshift_torch", "_nightshift_warnings", "_nightshift_importlib",
+            "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find"}
+"""Module-level names the routing code owns; candidates' names are renamed around them."""
+
+IMPORTS = ["import importlib as _nightshift_importlib", "import os as _nightshift_os",
+           "import torch as _nightshift_torch", "import warnings as _nightshift_warnings"]
+
+ROUTING = '''
+
+_nightshift_warned = []
+
+
+def _nightshift_can_run(module, args, kwargs):
+    """Triton kernels need their tensors on a GPU, or Triton's CPU interpreter."""
+    if _nightshift_os.environ.get("TRITON_INTERPRET", "").strip() == "1":
+        return True
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _nightshift_torch.Tensor):
+            return value.is_cuda
+    first = next(module.parameters(), None)
+    return first.is_cuda if first is not None else _nightshift_torch.cuda.is_available()
+
+
+def _nightshift_fallback(region):
+    if not _nightshift_warned:
+        _nightshift_warned.append(region)
+        _nightshift_warnings.warn(
+            f"nightshift: the tuned Triton kernels ({region} and any other region) need a GPU, and these "
+            "tensors are not on one (TRITON_INTERPRET=1 runs them on the CPU, slowly): the original "
+            "forwards run instead", stacklevel=3)
+
+
+def _nightshift_route(cls, region, tuned):
+    """Point cls.forward at `tuned`; installing again replaces the routing, never wraps it."""
+    current = cls.__dict__.get("forward")
+    original = getattr(current, "__nightshift_original__", None) or cls.forward
+    needs_gpu = NEEDS_GPU.get(region, False)
+
+    def forward(self, *args, **kwargs):
+        # Instances of subclasses were never verified, and the tuned kernels define no backward
+        # and were verified for inference only: those calls keep the original forward.
+        if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()):
+            return original(self, *args, **kwargs)
+        if needs_gpu and not _nightshift_can_run(self, args, kwargs):
+            _nightshift_fallback(region)
+            return original(self, *args, **kwargs)
+        return tuned(self, *args, **kwargs)
+
+    forward.__nightshift_original__ = original
+    forward.__nightshift_region__ = region
+    forward.__doc__ = f"nightshift: {cls.__qualname__}.forward routed through {tuned.__name__}"
+    cls.forward = forward
+
+
+def _nightshift_find(namespace, region, qualname):
+    """The class to route: from the model's globals, or from the module it is defined in."""
+    owner = MODULES.get(region)
+    if owner is None:
+        head, *rest = qualname.split(".")
+        cls = namespace.get(head)
+    else:
+        try:
+            cls = _nightshift_importlib.import_module(owner)
+        except ImportError as e:
+            _nightshift_warnings.warn(f"nightshift: cannot import {owner} ({e}); {region} not routed", stacklevel=3)
+            return None
+        rest = qualname.split(".")
+    for part in rest:
+        cls = getattr(cls, part, None)
+    if not isinstance(cls, type):
+        where = f"module {owner}" if owner else "the model"
+        _nightshift_warnings.warn(f"nightshift: no class {qualname} in {where}; {region} not routed", stacklevel=3)
+        return None
+    return cls
+
+
+def install(namespace: dict) -> list[str]:
+    """Route every region class through its tuned forward (classes of the model file are
+    looked up in `namespace`, the model module's globals); returns the routed class names.
+    NIGHTSHIFT_DISABLE=1 routes nothing."""
+    if _nightshift_os.environ.get("NIGHTSHIFT_DISABLE", "").strip() not in ("", "0"):
+        return []
+    routed = []
+    for region, qualname in CLASSES.items():
+        cls = _nightshift_find(namespace, region, qualname)
+        if cls is not None:
+            _nightshift_route(cls, region, REGIONS[region])
+            routed.append(qualname)
+    return routed
+'''

@@ -1,0 +1,58 @@
+"""What every planner is, and the few things planners share: the protocol, the error for a
+planner that cannot work as configured, and several planners sharing one round."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Callable, Protocol
+
+from agent.history import History
+from tools.problem import Problem
+from tools.trial import Candidate
+
+
+class Planner(Protocol):
+    name: str
+
+    def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
+        """Up to n new candidates for `problem`, given everything tried so far."""
+        ...
+
+
+class PlannerError(Exception):
+    """A planner that cannot work as configured (e.g. a missing API key); says how to fix it."""
+
+
+class PlannerFailed(Exception):
+    """A planner raised while proposing: a bug, not a verdict. Carries what it raised."""
+
+    def __init__(self, planner: str, error: BaseException):
+        self.planner = planner
+        self.detail = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+        super().__init__(f"planner {planner} failed: {type(error).__name__}: {error}")
+
+
+class Combined:
+    """Several planners share each round; each gets a fair part of the batch. A planner that
+    raises is set aside (and said so through `on_failure`) while the others go on; when every
+    one has failed, the last failure is raised."""
+
+    def __init__(self, planners: list[Planner], on_failure: Callable[[PlannerFailed], None] = lambda e: None):
+        self.planners = planners
+        self.name = ",".join(p.name for p in planners)
+        self.failed: dict[str, PlannerFailed] = {}
+        self.on_failure = on_failure
+
+    def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
+        out: list[Candidate] = []
+        live = [p for p in self.planners if p.name not in self.failed]
+        share = max(1, n // max(1, len(live)))
+        for p in live:
+            try:
+                out += p.propose(problem, history, share)
+            except Exception as e:  # noqa: BLE001 - one planner's bug must not end the others' night
+                self.failed[p.name] = PlannerFailed(p.name, e)
+                self.on_failure(self.failed[p.name])
+        if len(self.failed) == len(self.planners):
+            raise self.failed[live[-1].name] if live else next(iter(self.failed.values()))
+        return out

@@ -1,0 +1,86 @@
+"""Numbers and labels shared by the markdown and the HTML report, formatted one way."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from tools.e2e import IntegrationResult
+
+_LONG_FLOAT = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d{4,}(?:[eE][-+]?\d+)?|\d+(?:\.\d+)?[eE][-+]?\d+)(?![\w.])")
+
+
+def tidy(text: str) -> str:
+    """Long floats in a message (`7.152557373046875e-07`) to three significant digits."""
+    return _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.3g}", text)
+
+
+def e2e_speedup(result: IntegrationResult) -> float | None:
+    """Weighted over workloads, like a region's: sum(w * eager) / sum(w * tuned)."""
+    rows = [w for w in result.workloads if w.weight > 0]
+    if not rows or any(w.tuned_ms is None for w in rows):
+        return None
+    tuned = sum(w.weight * w.tuned_ms for w in rows)
+    return sum(w.weight * w.eager_ms for w in rows) / tuned if tuned > 0 else None
+
+
+def within(error: float | None, tolerance: str) -> bool | None:
+    """Whether an error is inside a tolerance written as `abs 0.01` / `rel:1e-3` / `0.01`."""
+    parts = tolerance.replace(":", " ").split()
+    try:
+        bound = float(parts[-1])
+    except (ValueError, IndexError):
+        return None
+    return None if error is None else (math.isfinite(error) and error <= bound)
+
+
+def standings(w) -> tuple[list[tuple[str, float | None]], str]:
+    """Every way of running one workload (eager, nightshift, each torch.compile mode) with its
+    time, and one honest sentence on which is fastest."""
+    rows = [("eager", w.eager_ms), ("nightshift", w.tuned_ms), *w.baselines.items()]
+    timed = sorted((ms, name) for name, ms in rows if ms is not None and ms > 0)
+    if not timed:
+        return rows, "nothing was timed"
+    (fast_ms, fastest), others = timed[0], timed[1:]
+    if fastest == "nightshift":
+        nxt = f", {others[0][0] / fast_ms:.2f}x ahead of {others[0][1]}" if others else ""
+        return rows, f"nightshift is fastest{nxt}"
+    if w.tuned_ms is None:
+        return rows, f"{fastest} is fastest ({fast_ms:.4g} ms); the tuned model was not timed"
+    return rows, f"{fastest} is fastest ({fast_ms:.4g} ms); nightshift is {w.tuned_ms / fast_ms:.2f}x slower than it"
+
+
+def fmt_ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.4g}"
+
+
+def fmt_err(error: float | None, tolerance: str) -> str:
+    verdict = {True: " (within)", False: " (OUTSIDE)", None: ""}[within(error, tolerance)]
+    return f"{'-' if error is None else f'{error:.2g}'} / {tolerance or '?'}{verdict}"
+
+
+def fmt_value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(fmt_value(x) for x in v) + "]"
+    return str(v)
+
+
+def fmt_params(params: dict) -> str:
+    """A candidate's parameters as `BLOCK_N=1024, num_warps=8`: the tuned values, and the
+    binding of template roles to the region's tensors; never a raw dict or a whole source."""
+    if not params:
+        return ""
+    tune = params.get("tune") if isinstance(params.get("tune"), dict) else {}
+    binding = params.get("binding") if isinstance(params.get("binding"), dict) else {}
+    plain = {k: v for k, v in params.items() if k not in ("tune", "binding", "tunables", "template_source")
+             and isinstance(v, (int, float, str, bool)) and len(str(v)) <= 40}
+    parts = [f"{k}={fmt_value(v)}" for k, v in {**tune, **plain}.items()]
+    roles = [f"{k}←{fmt_value(v)}" for k, v in binding.items() if isinstance(v, str)]
+    return "; ".join(x for x in (", ".join(parts), f"binding {', '.join(roles)}" if roles else "") if x)
+
+
+def device_time(gpu_seconds: float, cpu_only: bool) -> str:
+    h = gpu_seconds / 3600
+    return f"{h:.4f} device-hours on the CPU" if cpu_only else f"{h:.4f} GPU-hours"

@@ -1,0 +1,211 @@
+"""One tune session's search: the planner and executor built from the run's settings, the
+budget picked up where the run left it, and signals that stop it cleanly.
+
+SIGINT (Ctrl-C), SIGTERM and SIGHUP all stop the search the same way: trials in flight are cut
+short (not results: a resume runs them again), a stop event goes to the store, and the caller
+writes the report and prints the resume command. A second signal gets the default behaviour.
+Under `nohup` SIGHUP stays ignored, as nohup asked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Callable
+
+from agent.budget import Budget
+from agent.errors import UserError
+from agent.executors.local import LocalExecutor, parse_devices
+from agent.jobs import check_model_unchanged
+from agent.loop import Outcome, load_history, tune
+from agent.planners import PlannerError, make_planner
+from agent.signals import STOP_SIGNALS
+from sandbox.runner import Limits
+from tools.problem import Problem, StopRule
+from tools.runfolder import RunFolder
+from tools.trial import Trial
+
+def _recorder(run: RunFolder) -> Callable[..., None]:
+    """Where planners note LLM calls, their cost, and answers that could not be read. Opens
+    the store per call: planners run in their own thread, and SQLite connections do not move."""
+    def record(kind: str, region: str = "", reply=None, error: str = "", raw: str = "") -> None:
+        store = run.store()
+        try:
+            if kind == "llm_call":
+                store.record_llm_call(reply, purpose=f"propose {region}")
+            elif kind == "llm_error":
+                store.record_llm_call({"ok": False, "error": error, "purpose": f"propose {region}"})
+            else:
+                store.event(kind, region=region, error=error, raw=raw)
+        finally:
+            store.close()
+    return record
+
+
+def _usd(run: RunFolder) -> float:
+    store = run.store()
+    try:
+        return store.llm_usd()
+    finally:
+        store.close()
+
+
+def check_planner(spec: str, llm_model: str | None = None, base_url: str | None = None) -> None:
+    """Fail before profiling when the planner cannot work (unknown name, missing API key)."""
+    try:
+        make_planner(spec, llm_model=llm_model, base_url=base_url)
+    except PlannerError as e:
+        raise UserError(str(e)) from None
+
+
+def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: StopRule,
+             on_trial: Callable[[Trial], None] = lambda t: None, limits: Limits | None = None,
+             on_note: Callable[[str], None] = lambda note: None,
+             llm_model: str | None = None, base_url: str | None = None,
+             memory_gb: float = 8.0, executor_name: str = "local",
+             ray_address: str | None = None, workers_per_gpu: int | None = None,
+             on_budget: Callable[[Budget], None] = lambda b: None) -> tuple[Outcome, Budget]:
+    """Search the run until a stop rule fires or a signal stops it. The outcome says which
+    generations the candidates were tried on (`outcome.generations`)."""
+    problems = run.problems()
+    if not problems:
+        raise UserError(f"{run.path}: no frozen problems to tune (see skipped regions in run.json)")
+    for p in problems:
+        check_model_unchanged(p)
+    check_executor(executor_name, devices, ray_address)
+    if executor_name == "ray":
+        executor = _ray_executor(run, problems, ray_address, limits or Limits(budget_ms=150), memory_gb,
+                                 workers_per_gpu)
+        slots, notes, generations = [], [executor.describe()], executor.generations
+    else:
+        try:
+            slots, notes = parse_devices(devices)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        executor, generations = None, sorted({s.generation for s in slots})
+    try:
+        planner = make_planner(planner_spec, inbox=run.inbox, llm_model=llm_model, base_url=base_url,
+                               max_usd=stop_rule.max_usd, record=_recorder(run), usd_spent=lambda: _usd(run),
+                               device=", ".join(generations), notify=_stopped_planner(run, on_note),
+                               on_failure=lambda e: _stopped_planner(run, on_note)(str(e)))
+    except (PlannerError, ValueError) as e:
+        if executor is not None:
+            executor.close()
+        raise UserError(str(e)) from None
+    for note in notes:
+        on_note(note)
+    if any(s.device == "cpu" for s in slots) and any(p.device != "cpu" for p in problems):
+        on_note("the problems were frozen on a GPU but trials run on the CPU: CPU timings, and the "
+                "reference outputs come from another device")
+    if executor is None:
+        executor = LocalExecutor(slots, [run.problems_dir / p.name for p in problems],
+                                 limits or Limits(budget_ms=150), memory_gb=memory_gb,
+                                 workers_per_device=workers_per_gpu)
+    history = load_history(run, problems, executor.generations)
+    budget = Budget(stop_rule, spent_seconds=sum(t.gpu_seconds for t in history.trials),
+                    candidates_tried=len(history.records))
+    budget.remember(history.trials)
+    on_budget(budget)
+    stop = threading.Event()
+    stopped_by: list[str] = []
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def interrupt(signum, frame):  # the first signal: finish cleanly; a second: the default
+        stop.set()
+        stopped_by.append(STOP_SIGNALS.get(signum, f"signal {signum}"))
+        budget.stop_reason = f"interrupted ({stopped_by[0]})"  # what the store's stop event says
+        _restore(previous)
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()
+        if hasattr(executor, "interrupt"):  # Ray: the run loop tells the actors
+            executor.interrupt()
+        else:
+            for r in executor.runners:
+                r.worker.kill()
+
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        for sig, old in previous.items():
+            if not (sig == signal.SIGHUP and old is signal.SIG_IGN):  # nohup: hangups stay ignored
+                signal.signal(sig, interrupt)
+    try:
+        outcome = tune(run, problems, planner, executor, budget, history, on_trial, stop.is_set)
+    except ValueError as e:  # ClusterError: the Ray cluster lost every worker of a target generation
+        if type(e).__name__ != "ClusterError":
+            raise
+        raise UserError(f"{str(e).splitlines()[0]}; continue with: agent tune --resume {run.path} "
+                        "--executor ray") from None
+    finally:
+        executor.close()
+        if main:
+            _restore(previous)
+    if stop.is_set():
+        outcome.stop_reason = f"interrupted ({stopped_by[0] if stopped_by else 'Ctrl-C'})"
+    outcome.generations = list(executor.generations)
+    return outcome, budget
+
+
+def _restore(handlers: dict) -> None:
+    for sig, old in handlers.items():
+        if old is not None:
+            signal.signal(sig, old)
+
+
+def _detach_from_terminal() -> None:
+    """After a hangup the terminal is gone, and writing to it fails: what is left to say goes
+    to runs/<run>/log.txt only."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                os.dup2(devnull, fd)
+        except OSError:
+            pass
+    os.close(devnull)
+
+
+def _stopped_planner(run: RunFolder, on_note: Callable[[str], None]) -> Callable[[str], None]:
+    """How a planner says it stopped (an API that keeps failing, unreadable answers, a bug):
+    an event in the store, for the report, and a line for the user now."""
+    def notify(reason: str) -> None:
+        store = run.store()
+        try:
+            store.event("planner_stopped", reason=reason)
+        finally:
+            store.close()
+        on_note(reason)
+    return notify
+
+
+EXECUTORS = ("local", "ray")
+
+
+def check_executor(name: str, devices: str | None = None, ray_address: str | None = None) -> None:
+    """Fail before profiling when the executor cannot work (unknown name, Ray not installed)."""
+    if name not in EXECUTORS:
+        raise UserError(f"--executor {name!r}: use {' or '.join(EXECUTORS)}")
+    if ray_address and name != "ray":
+        raise UserError("--ray-address needs --executor ray")
+    if name == "ray":
+        if devices:
+            raise UserError("--devices is for --executor local; with --executor ray the cluster's GPUs "
+                            "(or its gen:LABEL resources) are the devices")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise UserError("--executor ray needs Ray: pip install 'nightshift[ray]'") from None
+
+
+def _ray_executor(run: RunFolder, problems: list[Problem], address: str | None, limits: Limits,
+                  memory_gb: float, workers_per_gpu: int | None = None):
+    from agent.executors.ray import RayExecutor  # imports Ray itself only now
+    targets = sorted({g for p in problems for g in p.target_generations}) or None
+    try:
+        return RayExecutor([run.problems_dir / p.name for p in problems], address=address, targets=targets,
+                           limits=limits, memory_gb=memory_gb, workers_per_device=workers_per_gpu)
+    except ValueError as e:  # ClusterError: a target generation without workers
+        raise UserError(str(e).splitlines()[0]) from None
+    except (ConnectionError, RuntimeError) as e:
+        raise UserError(f"--ray-address {address or '(local)'}: cannot start or join the Ray cluster: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None

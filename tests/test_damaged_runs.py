@@ -1,0 +1,94 @@
+"""A run folder damaged on disk: its store truncated, overwritten, emptied, deleted, replaced by
+a folder or by another SQLite file. Every command that reads the run says so in one line that
+names the file and what to do, exits 2, and changes nothing: never a traceback, never a silent
+new store that would run the whole search again."""
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "models" / "tiny_rmsnorm.py"
+CANDIDATE = ROOT / "tests" / "candidates" / "rmsnorm_triton.py"
+
+
+def agent(*args, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("damaged")
+    result = agent("tune", "--model", TINY, "--runs-dir", runs, "--max-candidates", 2, "--devices", "cpu",
+                   "--no-integrate", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Path(json.loads(result.stdout)["run"])
+
+
+def _damage(store: Path, kind: str) -> None:
+    for extra in (store.with_name(store.name + "-wal"), store.with_name(store.name + "-shm")):
+        extra.unlink(missing_ok=True)
+    if kind == "truncated":
+        with open(store, "r+b") as f:
+            f.truncate(store.stat().st_size // 2)
+    elif kind == "garbage":
+        store.write_bytes(os.urandom(40_000))
+    elif kind == "empty":
+        store.write_bytes(b"")
+    elif kind == "deleted":
+        store.unlink()
+    elif kind == "a directory":
+        store.unlink()
+        store.mkdir()
+    elif kind == "another database":
+        store.unlink()
+        db = sqlite3.connect(store)
+        db.execute("CREATE TABLE notes (text TEXT)")
+        db.commit()
+        db.close()
+
+
+KINDS = ["truncated", "garbage", "empty", "deleted", "a directory", "another database"]
+COMMANDS = {"tune --resume": ["tune", "--resume", "{run}", "--no-integrate"], "status": ["status", "{run}"],
+            "report": ["report", "{run}"], "try": ["try", "{run}", CANDIDATE], "apply": ["apply", "{run}"]}
+
+
+def _tree(folder: Path) -> dict[str, bytes | None]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.name.endswith(("-wal", "-shm")):
+            continue
+        out[str(p.relative_to(folder))] = p.read_bytes() if p.is_file() else None
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_damaged_store_is_named_and_nothing_changes(tuned, tmp_path, kind, command):
+    run = tmp_path / "run"
+    shutil.copytree(tuned, run)
+    _damage(run / "trials.sqlite", kind)
+    before = _tree(run)
+    result = agent(*[str(a).replace("{run}", str(run)) for a in COMMANDS[command]])
+    assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert str(run / "trials.sqlite") in lines[0] and "restore" in lines[0] and "agent tune --model" in lines[0]
+    assert _tree(run) == before, "a command changed a run whose store it could not read"
+
+
+def test_a_profiled_run_without_a_store_is_no_error(tuned, tmp_path):
+    """Only profiled (no candidate tried yet): no store is the normal state, not damage."""
+    run = tmp_path / "run"
+    shutil.copytree(tuned, run, ignore=shutil.ignore_patterns("trials.sqlite*", "candidates", "report*"))
+    result = agent("status", run, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["state"] == "not started"

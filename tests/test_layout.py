@@ -1,0 +1,91 @@
+"""The shape of the code: imports point one way (no cycles inside agent/, tools/ imports no
+agent/ or sandbox/), and the review code lives in two sub-packages of agent/ with files a
+reader can take in."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules(package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Every project module `name` imports, at module level or inside a function (an import
+    in a function is still a dependency): `from a.b import c` is a.b.c when that is a module."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in out if m in known}
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    mods = _modules(package)
+    return {m: _imports(p, m, set(mods)) - {m} for m, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_no_import_cycles_in_agent():
+    assert _cycles(_graph("agent")) == []
+
+
+def test_the_cycle_check_sees_function_level_imports(tmp_path):
+    graph = {"a.x": {"a.y"}, "a.y": {"a.x"}}
+    assert _cycles(graph) == [["a.x", "a.y", "a.x"]]
+
+
+def test_tools_import_neither_agent_nor_sandbox():
+    for name, path in _modules("tools").items():
+        every = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                every |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                every.add((node.module or "").split(".")[0])
+        assert not every & {"agent", "sandbox"}, name
+
+
+def test_the_review_code_is_two_packages_of_short_files():
+    for package in ("agent/report", "agent/apply"):
+        files = sorted((ROOT / package).glob("*.py"))
+        assert (ROOT / package / "__init__.py") in files
+        for f in files:
+            assert len(f.read_text().splitlines()) <= 400, f
+    for gone in ("report.py", "report_html.py", "plots.py", "apply.py", "merge.py", "rename.py"):
+        assert not (ROOT / "agent" / gone).exists(), gone
+    assert len((ROOT / "agent" / "cli.py").read_text().splitlines()) <= 400
