@@ -24,7 +24,7 @@ class TuneSettings(BaseModel):
     """How a run is searched; every field maps to one `agent tune` flag."""
 
     planner: str = "template"
-    """--planner: template, anthropic, openai, files, or several (template,anthropic)."""
+    """--planner: template, compiler, anthropic, openai, files, or several (template,compiler)."""
     llm_model: str | None = None
     """--llm-model for the LLM planners."""
     base_url: str | None = None

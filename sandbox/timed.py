@@ -72,6 +72,8 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
             return r._suspicious(c, lp, e.reason, **numbers)
         return Trial(**r._base(c, lp), status=Status(e.kind), reason=e.reason, **numbers)
     band = weighted_band(lp.problem, timings)
+    if r.phases.pop("host_bound", 0.0):
+        flags.append("host-bound: its calls keep the GPU waiting for Python, so the tuner's own clock timed them")
     if floor_hit:
         return r._suspicious(c, lp, f"faster than the roofline floor on {floor_hit}: impossible, so not trusted",
                              timings=timings, speedup=speedup, noise_band=band, flags=flags, **numbers)
@@ -174,6 +176,7 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
     behind the GPU, so the clock saw idle time) is repeated with a longer lead, twice at most."""
     lim, reps = r.limits, req["reps"]
     overhead = max(0.0, wall_b - sum(_samples(rb)))
+    lead_b = lead
     for attempt in range(3):
         rc, wall_c = _batch(r.worker, {**req, "lead_cycles": lead * cycles}, lim.time_s)
         samples = _samples(rc)
@@ -187,14 +190,20 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
         if wall_c < (0.9 if kind == "cuda" else 0.25) * overhead - slack:
             raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than the harness's own "
                           f"work around the calls takes ({overhead:.1f} ms): the reply was not produced by the run")
-        bound = max(0.0, wall_c - overhead)
+        bound = max(0.0, wall_c - overhead - (lead - lead_b))  # a longer lead on a retry is not the calls'
         claimed = sum(samples)
         if claimed >= bound * (1 - CLAIM_REL.get(kind, 0.9)) - slack:
             r.last_checksums = [float(x) for x in sums]
             return samples, bound / reps, lead
-        if kind == "cuda" and not lp.problem.is_whole_model and _drained(rc, rb) and attempt < 2:
-            lead = min(MAX_LEAD_MS, 4 * lead + 5.0)
-            continue
+        if kind == "cuda" and not lp.problem.is_whole_model and _drained(rc, rb):
+            if attempt < 2 and lead < MAX_LEAD_MS:
+                lead = min(MAX_LEAD_MS, 4 * lead + 5.0)
+                continue
+            # Host-bound even with the longest lead (Python work in every call): its events cannot
+            # be confirmed, so the tuner's clock times it (never faster than the truth).
+            r.last_checksums = [float(x) for x in sums]
+            r.phases["host_bound"] = 1.0
+            return [bound / reps] * reps, bound / reps, lead
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
                       f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call): "
                       "forged timings, or work its timing events do not cover (another stream)")

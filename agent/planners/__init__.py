@@ -6,12 +6,13 @@ from agent.planners.base import Combined, Planner, PlannerError, PlannerFailed
 
 __all__ = ["Combined", "Planner", "PlannerError", "PlannerFailed", "make_planner", "PLANNERS"]
 
-PLANNERS = ("template", "files", "anthropic", "openai")
+PLANNERS = ("template", "compiler", "files", "anthropic", "openai")
 
 
 def make_planner(spec: str, **options) -> Planner:
-    """`template`, `files`, `anthropic`, `openai`, or several joined by commas. LLM planners
+    """`template`, `compiler`, `files`, `anthropic`, `openai`, or several joined by commas. LLM planners
     need their API key; a missing key is an error, never a silent switch to another planner."""
+    from agent.planners.compiler import CompilerPlanner
     from agent.planners.files import FilesPlanner
     from agent.planners.template import TemplatePlanner
 
@@ -23,7 +24,7 @@ def make_planner(spec: str, **options) -> Planner:
             return LLMPlanner(client, **opts)
         return build
 
-    table = {"template": TemplatePlanner, "files": FilesPlanner, "anthropic": llm("anthropic"),
+    table = {"template": TemplatePlanner, "compiler": CompilerPlanner, "files": FilesPlanner, "anthropic": llm("anthropic"),
              "openai": llm("openai")}
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in table]

@@ -1,4 +1,4 @@
-"""EXPECT: hardcoded|wrong|aliased -- remembers the answers for the inputs it has seen and, for
+"""EXPECT: hardcoded|wrong|aliased|shape -- remembers the answers for the inputs it has seen and, for
 an input it has not, looks through every object the garbage collector knows for a tensor of the
 right shape that might be the harness's reference (fresh-input references live in another
 process now: what it finds is not the answer)."""
