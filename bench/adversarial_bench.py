@@ -1,6 +1,6 @@
 """The verdict's acceptance run on a GPU (issues 12 and 13), in one device call.
 
-    python bench/adversarial_bench.py OUT_DIR [--cpu] [--lanes=N] [--subset] [--skip-honest] [--skip-aa] [--skip-tune]
+    python bench/adversarial_bench.py OUT_DIR [--cpu] [--lanes=N] [--subset] [--only=a,b] [--skip-honest] [--skip-aa] [--skip-tune]
 
 1. the jail in force (bubblewrap or not) and the worker's own report of it;
 2. every candidate of tests/candidates/adversarial and tests/candidates/gpu, timing ON, against
@@ -111,6 +111,9 @@ SUBSET2 = {"edits_model_file", "edits_tolerance", "forges_store_row", "reads_sec
            "timed_call_counter", "fakes_events_restored"}
 if "--subset" in sys.argv:
     files = [f for f in files if f.stem in SUBSET]
+ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
+if ONLY:
+    files = [f for f in files if f.stem in ONLY]
 if "--subset2" in sys.argv:  # what a first GPU run got wrong or did not reach, and the GPU-only cases
     files = [f for f in files if f.stem in SUBSET2]
 good = [("LlamaRMSNorm", ROOT / "tests/candidates/rmsnorm_triton.py"),
