@@ -74,7 +74,8 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
     band = weighted_band(lp.problem, timings)
     if (covered := r.phases.pop("host_bound", None)) is not None:
         flags.append(f"events unconfirmed: its CUDA events covered {covered:.0%} of what the tuner's clock saw "
-                     "(host work in its calls, or work off the timed stream), so the tuner's clock timed it")
+                     "(host work in its calls, or work off the timed stream), so both sides were compared "
+                     "wall against wall")
     if floor_hit:
         return r._suspicious(c, lp, f"faster than the roofline floor on {floor_hit}: impossible, so not trusted",
                              timings=timings, speedup=speedup, noise_band=band, flags=flags, **numbers)
@@ -176,7 +177,11 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
     took. Returns (samples, that time per call, the lead used). A run that drained (the host fell
     behind the GPU, so the clock saw idle time) is repeated with a longer lead, twice at most."""
     lim, reps = r.limits, req["reps"]
-    overhead = max(0.0, wall_b - sum(_samples(rb)))
+    b_samples = _samples(rb)
+    overhead = max(0.0, wall_b - sum(b_samples))
+    # What the harness alone costs (copies, checksums, input sets): the original's wall less the
+    # longer of its calls' device time and their host time. No honest run answers sooner.
+    harness = max(0.0, wall_b - max(sum(b_samples), float(rb.header.get("host_calls_ms") or 0.0)))
     lead_b = lead
     for attempt in range(3):
         rc, wall_c = _batch(r.worker, {**req, "lead_cycles": lead * cycles}, lim.time_s)
@@ -186,11 +191,9 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             raise Refused("suspicious", f"the worker reported {len(samples)} timings for {reps} repetitions")
         kind = rc.header.get("timing_kind", "cpu")
         slack = CLAIM_ABS_MS.get(kind, 50.0) + 0.02 * wall_b
-        # The candidate's run does all the original's run does around its calls: an answer
-        # sooner than that is not the run's (on the CPU only a gross gap counts).
-        if wall_c < (0.9 if kind == "cuda" else 0.25) * overhead - slack:
+        if wall_c < (0.9 if kind == "cuda" else 0.25) * harness - slack:
             raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than the harness's own "
-                          f"work around the calls takes ({overhead:.1f} ms): the reply was not produced by the run")
+                          f"work around the calls takes ({harness:.1f} ms): the reply was not produced by the run")
         bound = max(0.0, wall_c - overhead - (lead - lead_b))  # a longer lead on a retry is not the calls'
         claimed = sum(samples)
         if claimed >= bound * (1 - CLAIM_REL.get(kind, 0.9)) - slack:
@@ -203,12 +206,17 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
         if kind == "cuda" and claimed >= 0.1 * bound:
             # The events cover less than the tuner's clock saw: host work in every call (tiny
             # shapes, several launches, Python between kernels), or work off the timed stream.
-            # Either way the events are not trusted and the tuner's clock times it: never faster
-            # than the truth, so nothing is gained by forging them, and honest work is not refused.
-            # Under a tenth is no host overhead a lead of MAX_LEAD_MS leaves: forged.
+            # The events are not trusted: the two sides are compared by the tuner's clock alone,
+            # wall against wall with the same lead (the original run again if the lead grew), so
+            # the ratio includes the harness on both sides and is never better than the truth.
+            if lead != lead_b:
+                rb, wall_b = _batch(r.reference, {"problem": lp.problem.name, **req, "lead_cycles": lead * cycles},
+                                    lim.time_s)
+                b_samples = _samples(rb)
             r.last_checksums = [float(x) for x in sums]
             r.phases["host_bound"] = min(r.phases.get("host_bound", 1.0), claimed / max(bound, 1e-9))
-            return [bound / reps] * reps, bound / reps, lead
+            per_call = statistics.median(b_samples) * wall_c / max(wall_b, 1e-9)
+            return [per_call] * reps, bound / reps, lead
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
                       f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call): "
                       "forged timings")

@@ -115,7 +115,7 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
               key_len: int = 1) -> dict:
     """`reps` timed repetitions of `call(make_inputs(i))`. Returns raw per-repetition times
     (`samples`, ms), the device gaps between repetitions (`gaps`, CUDA), the host time spent
-    queueing (`host_ms`), the copies `copy_out` made of each output (`kept`, when `keep`), and a
+    queueing (`host_ms`) and inside the calls (`host_calls_ms`, CUDA), the copies `copy_out` made of each output (`kept`, when `keep`), and a
     checksum of each copy (`checksums`): the run's commitment to the outputs the tuner samples
     afterwards. The original's runs and the candidate's do exactly the same work around the
     calls, so the tuner can tell what the calls took from its own clock."""
@@ -144,15 +144,18 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
         return {"samples": samples, "gaps": [], "host_ms": (time.perf_counter() - t0) * 1e3, "kept": kept,
                 "checksums": [float(x) for x in sums]}
     events = []
+    in_calls = 0.0
     if lead_cycles > 0:
         torch.cuda._sleep(int(lead_cycles))
     for i in range(reps):
         inputs = make_inputs(i)
         clock.flush_buf.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s = time.perf_counter()
         start.record()
         out = call(inputs)
         end.record()
+        in_calls += time.perf_counter() - s
         keep_out(out)
         events.append((start, end))
         del out, inputs
@@ -160,5 +163,5 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
     torch.cuda.synchronize()
     samples = [s.elapsed_time(e) for s, e in events]
     gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
-    return {"samples": samples, "gaps": gaps, "host_ms": host_ms, "kept": kept,
+    return {"samples": samples, "gaps": gaps, "host_ms": host_ms, "host_calls_ms": in_calls * 1e3, "kept": kept,
             "checksums": [float(x) for x in sums]}
