@@ -84,6 +84,13 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
         except ValueError as e:
             raise UserError(str(e)) from None
         executor, generations = None, sorted({s.generation for s in slots})
+        if devices is None and slots and all(s.device == "cpu" for s in slots) \
+                and any(p.device != "cpu" for p in problems) and any("left alone" in n for n in notes):
+            # Every GPU is busy: CPU trials of GPU-frozen problems would compare against another
+            # device's references at CPU speed all night. Say so now rather than waste the night.
+            raise UserError("no idle GPU (" + "; ".join(n for n in notes if "left alone" in n) + ") and the "
+                            "problems were frozen on a GPU. Free it, share it with --devices cuda:0, or run "
+                            "CPU trials on purpose with --devices cpu")
     try:
         planner = make_planner(planner_spec, inbox=run.inbox, llm_model=llm_model, base_url=base_url,
                                max_usd=stop_rule.max_usd, record=_recorder(run), usd_spent=lambda: _usd(run),

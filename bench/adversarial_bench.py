@@ -265,10 +265,11 @@ if "--skip-tune" not in sys.argv:
              "cheat_reply.py": ROOT / "tests/candidates/adversarial/forges_reply.py"}
     for name, src in mixed.items():
         (inbox / name).write_text(src.read_text())
+    # This process still holds the GPU (freeze, integration): name it, or the tuner leaves it alone.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     t0 = time.time()
     done = subprocess.run([sys.executable, "-m", "agent", "tune", "--resume", str(run.path), "--planner", "files",
-                           "--max-candidates", "20", "--no-integrate", "--json"] + (["--devices", "cpu"] if CPU else []),
+                           "--max-candidates", "20", "--no-integrate", "--json", "--devices", "cpu" if CPU else "cuda:0"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     (out_dir / "tune.log").write_text(done.stdout + "\n" + done.stderr)
     con.print(f"tune exit {done.returncode} in {time.time() - t0:.0f} s")

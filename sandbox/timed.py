@@ -191,7 +191,10 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             raise Refused("suspicious", f"the worker reported {len(samples)} timings for {reps} repetitions")
         kind = rc.header.get("timing_kind", "cpu")
         slack = CLAIM_ABS_MS.get(kind, 50.0) + 0.02 * wall_b
-        if wall_c < (0.9 if kind == "cuda" else 0.25) * harness - slack:
+        # Only a gross gap counts: host-bound runs of tiny models swing by half from run to run (on
+        # the H200 a 0.9 factor refused an honest whole model), and a reply without the run's work
+        # cannot carry the checksums of outputs the tuner samples afterwards anyway.
+        if wall_c < (0.5 if kind == "cuda" else 0.25) * harness - slack:
             raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than the harness's own "
                           f"work around the calls takes ({harness:.1f} ms): the reply was not produced by the run")
         bound = max(0.0, wall_c - overhead - (lead - lead_b))  # a longer lead on a retry is not the calls'

@@ -139,3 +139,25 @@ def test_gpu_ceilings_are_plausible():
 def test_triton_runs_on_the_gpu():
     check = doctor.check_triton()
     assert check["ok"] and check["mode"] == "gpu", check
+
+
+def test_every_gpu_busy_with_gpu_frozen_problems_stops_with_a_clear_error(monkeypatch, tmp_path):
+    """Without --devices, a tuner that finds every GPU in use must not quietly run GPU-frozen
+    problems on the CPU all night (it did on the H200, while the bench's own process held it)."""
+    from types import SimpleNamespace
+
+    from agent import tuning
+    from agent.errors import UserError
+    from agent.executors.local import Slot
+    from agent.settings import StopRule
+
+    busy = (["cuda:0 left alone: 3.5 GiB in use by other work", "no idle GPU: using the CPU"])
+    monkeypatch.setattr(tuning, "parse_devices", lambda devices: ([Slot("cpu", "cpu")], list(busy)))
+    monkeypatch.setattr(tuning, "check_model_unchanged", lambda p: None)
+    run = SimpleNamespace(path=tmp_path, inbox=tmp_path / "inbox", problems=lambda: [SimpleNamespace(name="LlamaRMSNorm", device="cuda")])
+    with pytest.raises(UserError, match="no idle GPU .*cuda:0 left alone.*--devices cuda:0.*--devices cpu"):
+        tuning.run_tune(run, "template", None, StopRule())
+    # Asked for on purpose, the CPU is used (with a note), so the same setting gets past this check.
+    monkeypatch.setattr(tuning, "make_planner", lambda *a, **k: (_ for _ in ()).throw(ValueError("planner reached")))
+    with pytest.raises(UserError, match="planner reached"):
+        tuning.run_tune(run, "template", "cpu", StopRule())
