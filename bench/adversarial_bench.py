@@ -205,35 +205,8 @@ con.print(f"wrong statuses: {wrong or 'none'}")
 step("no false positives: own forward and plain-torch rewrites on torch's own regions and whole models")
 honest = []
 if "--skip-honest" not in sys.argv:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_verdicts import CASES, MODELS, OWN, REWRITES  # noqa: E402
-    from tools.capture import RegionChoice, freeze, freeze_model  # noqa: E402
-    from tools.modelfile import load_model  # noqa: E402
-    import torch  # noqa: E402
-    # tests/models' tiny files (host-bound on a GPU: where the tuner's clock is hardest to satisfy)
-    # and two problems of the KernelBench-style set at full size.
-    full = [("../problems/l2_gemm_scale_relu.py", "Linear"), ("../problems/l1_layernorm.py", "LayerNorm")]
-    for model_file, cls in [*CASES, *([] if "--honest-tiny" in sys.argv else full)]:
-        folder = work / "honest" / Path(model_file).stem / cls
-        loaded = load_model(MODELS / model_file, "cpu" if CPU else "cuda")
-        dev = torch.device("cpu" if CPU else "cuda")
-        probs, _ = freeze(loaded, [RegionChoice(cls)], folder / "problems", dev)
-        freeze_model(loaded, folder / "model", dev)
-        hr = TrialRunner(DEVICE, lim)
-        try:
-            hr.add_problem(folder / "problems" / probs[0].name)
-            hr.add_problem(folder / "model")
-            for i, src in enumerate([OWN, *REWRITES[cls]]):
-                t = hr.run(Candidate(region=probs[0].name, source=src))
-                honest.append((cls, f"rewrite {i}" if i else "own forward", t.status.value, t.reason[:80],
-                               t.speedup and round(t.speedup, 3), t.noise_band and round(t.noise_band, 4)))
-                con.print(f"honest: {honest[-1]}")
-            t = hr.run(Candidate(region="model", source=OWN))
-            honest.append((cls, "whole model, own forward", t.status.value, t.reason[:80],
-                           t.speedup and round(t.speedup, 3), t.noise_band and round(t.noise_band, 4)))
-            con.print(f"honest: {honest[-1]}")
-        finally:
-            hr.close()
+    from bench.honest_bench import honest_rows  # noqa: E402
+    honest = honest_rows(work, DEVICE, lim, tiny="--honest-tiny" in sys.argv, show=con.print)
 
 step("A/A integration of the untouched model")
 aa = None

@@ -153,7 +153,15 @@ class TrialRunner:
             return Trial(**self._base(c, None), status=Status.compile_error,
                          reason=f"no problem named {c.region!r} in this run")
         t_start = time.monotonic()
-        bad = self.reference.ensure() or self._ensure_worker()
+        if self.worker.alive and self.worker.starts == self.worker_starts_seen:
+            bad = self.reference.ensure()
+        else:  # both workers' starts (seconds of imports each) overlap
+            started: list[Reply | None] = []
+            pending = threading.Thread(target=lambda: started.append(self._ensure_worker()), daemon=True)
+            pending.start()
+            bad = self.reference.ensure()
+            pending.join()
+            bad = bad or (started[0] if started else Reply(False, status="crash", error="worker start failed"))
         if self.worker_starts_seen == self.worker.starts and time.monotonic() - t_start > 0.5:
             self.phases["start"] = time.monotonic() - t_start  # a worker (re)start, once per worker
         if bad is not None:

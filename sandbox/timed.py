@@ -159,8 +159,12 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     kind = wb.header.get("timing_kind", "cpu")
     # A/A: how far each side's runs move against themselves, and the original across the two
     # processes: the widest bounds what a ratio of their medians can show without a real change.
-    band = max(timing.noise_band(medians, kind),
-               timing.noise_band([timing.stats(run).median_ms for run in cand_runs], kind),
+    cand_medians = [timing.stats(run).median_ms for run in cand_runs]
+    # ...and how far the paired ratio itself moves from round to round (load that hits one
+    # process and not the other shows there first).
+    ratios = [c / b for c, b in zip(cand_medians, medians) if b > 0]
+    band = max(timing.noise_band(medians, kind), timing.noise_band(cand_medians, kind),
+               timing.noise_band(ratios, kind) if len(ratios) >= 2 else 0.0,
                *[abs(math.log(x)) for x in aa if x > 0 and math.isfinite(x)])
     return WorkloadTiming(workload=name, baseline_ms=base.median_ms, candidate_ms=cnd.median_ms,
                           baseline_spread=base.spread, candidate_spread=cnd.spread, reps=cnd.reps,
