@@ -224,3 +224,15 @@ def test_trace_workloads_replace_the_models_own(small_env):
     assert all(by_name[n].weight == shapes[n].weight for n in shapes)
     decode = by_name["long_decode"].inputs
     assert decode[0].shape[:2] == (shapes["long_decode"].batch, 1) and decode[3] == decode[1].shape[3] - 1
+
+
+def test_report_weighted_total_is_what_the_mix_costs():
+    from agent.report.numbers import weighted_totals
+    from tools.e2e import IntegrationResult, WorkloadResult
+    res = IntegrationResult(device="cuda", workloads=[
+        WorkloadResult(name="long_decode", weight=100.0, eager_ms=2.0, tuned_ms=1.0,
+                       baselines={"compile:default": 1.5, "compile:reduce-overhead": None}),
+        WorkloadResult(name="long_prefill", weight=2.0, eager_ms=50.0, tuned_ms=40.0,
+                       baselines={"compile:default": 45.0, "compile:reduce-overhead": 30.0})])
+    totals = dict(weighted_totals(res))
+    assert totals == {"eager": 300.0, "nightshift": 180.0, "compile:default": 240.0, "compile:reduce-overhead": None}
