@@ -171,6 +171,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
          device: str = typer.Option("auto", help="Device for profiling and the frozen references."),
          workload: Optional[str] = typer.Option(None, help="Use one named workload only."),
          workloads: Optional[Path] = typer.Option(None, "--workloads", help=TRACE_HELP),
+         model_workloads: bool = typer.Option(False, help="With --workloads: also time the model's own "
+                                              "workloads (weight 0: shown, not part of the trace's cost)."),
          gpu_hours: Optional[float] = typer.Option(None, help="Cap on device time over all devices, hours "
                                                    "(default 0.25)."),
          max_candidates: Optional[int] = typer.Option(None, help="Cap on candidates tried (default 200)."),
@@ -197,7 +199,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
              "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
              "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd}
     request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
-                          max_regions, _names(regions), runs_dir, integrate, baselines, workloads)
+                          max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads)
     tty = sys.stdout.isatty()
     result = tune_session(request, say=(lambda text: None) if json_out else _say,
                           warn=lambda text: err.print(f"note: {text}", **PLAIN),

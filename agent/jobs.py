@@ -49,7 +49,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                        stop_rule: StopRule | None = None, targets: list[str] | None = None,
                        coverage: float = 0.9, max_regions: int = 8, freeze_problems: bool = True,
                        regions: list[str] | None = None, e2e_tolerance: str | None = None,
-                       trace: Path | None = None) -> ProfileOutcome:
+                       trace: Path | None = None, trace_keep_own: bool = False) -> ProfileOutcome:
     """Profile the model and freeze its hotspots into a new run folder. Every input is checked
     before the model is touched; a failure after the folder was made removes it again, so a
     bad input (or Ctrl-C) leaves no half-made run behind."""
@@ -68,7 +68,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
         raise UserError(f"--coverage {coverage}: give a share of the model's time in (0, 1], e.g. 0.9")
     check_runs_dir(runs_dir)
     with user_code(model):
-        loaded = load_model(model, dev, workload=workload, trace=trace)
+        loaded = load_model(model, dev, workload=workload, trace=trace, trace_keep_own=trace_keep_own)
     classes = {n for m in loaded.model.modules() for n in (type(m).__name__, type(m).__qualname__)}
     for flag, names in (("--regions", regions or []), ("--region-tolerance", list(per_region))):
         unknown = [n for n in names if n not in classes]

@@ -242,9 +242,11 @@ def _host_copy(obj: Any) -> Any:
     return obj
 
 
-def trace_workloads(path: Path, module: ModuleType, trace: str | Path) -> list[WorkloadInputs]:
+def trace_workloads(path: Path, module: ModuleType, trace: str | Path, keep_own: bool = False) -> list[WorkloadInputs]:
     """The workloads a request trace groups into (tools/traffic.py), built by the file's
-    `make_workload(batch, new_tokens, context)`; their weights say what the trace costs."""
+    `make_workload(batch, new_tokens, context)`; their weights say what the trace costs.
+    `keep_own`: the file's own workloads too, named `model:NAME`, at weight 0 (timed and shown,
+    not part of the trace's cost)."""
     from tools.traffic import TraceError, group, read_trace
     if not callable(getattr(module, "make_workload", None)):
         raise ModelFileError(f"{path}: --workloads needs make_workload(batch, new_tokens, context) in the model "
@@ -253,13 +255,16 @@ def trace_workloads(path: Path, module: ModuleType, trace: str | Path) -> list[W
         shapes = group(read_trace(trace))
     except TraceError as e:
         raise ModelFileError(f"--workloads {e}") from None
-    return [WorkloadInputs(s.name, _as_list(path, f"make_workload() for {s.name!r}", _call(
+    out = [WorkloadInputs(s.name, _as_list(path, f"make_workload() for {s.name!r}", _call(
         path, f"make_workload({s.batch}, {s.new_tokens}, {s.context}) for trace shape {s.name!r}",
         module.make_workload, s.batch, s.new_tokens, s.context)), s.weight) for s in shapes]
+    own = [WorkloadInputs(f"model:{w.name}", w.inputs, 0.0) for w in _workloads(path, module)] if keep_own else []
+    return out + own
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload: str | None = None,
-               check_forward: bool = True, trace: str | Path | None = None) -> LoadedModel:
+               check_forward: bool = True, trace: str | Path | None = None,
+               trace_keep_own: bool = False) -> LoadedModel:
     """Import the file, build the model on `device`, collect its workloads (or the shapes of a
     request trace) and run one forward pass per workload so that a model that raises fails
     here, with a clear message."""
@@ -270,7 +275,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
         module = import_model_file(path)
         init_inputs = _as_list(path, "get_init_inputs()", _call(path, "get_init_inputs()", module.get_init_inputs))
         model = _call(path, "Model(*get_init_inputs())", module.Model, *init_inputs)
-        workloads = _workloads(path, module) if trace is None else trace_workloads(path, module, trace)
+        workloads = _workloads(path, module) if trace is None else trace_workloads(path, module, trace, trace_keep_own)
     if not isinstance(model, torch.nn.Module):
         raise ModelFileError(f"{path}: Model(...) did not return a torch.nn.Module")
     model = _call(path, f"moving the model to {device}", model.to, device).eval()
