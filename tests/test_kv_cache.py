@@ -156,11 +156,15 @@ def test_cache_as_declared_inplace_output(cache_runner, attention_problem, sourc
     assert why in trial.reason
 
 
-def test_decode_template_passes_the_verifier(cache_runner, attention_problem):
-    p, binding = _cache_binding(attention_problem)
+def test_decode_template_passes_the_verifier_and_a_wrong_guess_does_not(cache_runner, attention_problem):
+    p = Problem.load(attention_problem)
     t = TEMPLATES["decode_attention"]
-    trial = cache_runner.run(Candidate(region=p.name, source=render(t, binding, default_params(t))), do_time=False)
+    right, swapped = [b for tt, b in applicable(p) if tt is t]
+    assert (right["k_w"], right["v_w"]) == ("k_proj.weight", "v_proj.weight") and swapped["k_w"] == "v_proj.weight"
+    trial = cache_runner.run(Candidate(region=p.name, source=render(t, right, default_params(t))), do_time=False)
     assert trial.status is Status.ok, (trial.reason, trial.error_text[-800:])
+    trial = cache_runner.run(Candidate(region=p.name, source=render(t, swapped, default_params(t))), do_time=False)
+    assert trial.status is Status.wrong, trial.reason
 
 
 # -- traces ----------------------------------------------------------------------------------
@@ -236,3 +240,46 @@ def test_report_weighted_total_is_what_the_mix_costs():
                        baselines={"compile:default": 45.0, "compile:reduce-overhead": 30.0})])
     totals = dict(weighted_totals(res))
     assert totals == {"eager": 300.0, "nightshift": 180.0, "compile:default": 240.0, "compile:reduce-overhead": None}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cache_templates_at_llama_8b_sizes_in_bf16_on_gpu(tmp_path, monkeypatch):
+    """Full preset, one layer, bf16: both cache templates within the default tolerance on every
+    workload, the cache written like the original; their times against eager printed."""
+    from triton.testing import do_bench
+    from tools.capture import RegionChoice, freeze
+    from tools.modelfile import load_model
+    from tools.problem import default_tolerance
+    from tools.region import build_region, call_args
+    monkeypatch.setenv("LLAMA_PRESET", "full")
+    monkeypatch.setenv("LLAMA_LAYERS", "1")
+    monkeypatch.delenv("LLAMA_DTYPE", raising=False)
+    dev = torch.device("cuda")
+    (p,), skipped = freeze(load_model(EXAMPLE, dev), [RegionChoice("LlamaAttention")], tmp_path / "problems", dev)
+    folder = tmp_path / "problems" / p.name
+    inputs, reference, state = p.load_tensors(folder)
+    region = build_region(Path(p.model_file), p.region_path, state, dev)
+    failures = []
+    for name in ("decode_attention", "prefill_attention"):
+        t = TEMPLATES[name]
+        binding = next(b for tt, b in applicable(p) if tt is t)
+        path = tmp_path / f"{name}.py"
+        path.write_text(render(t, binding, default_params(t)))
+        ns: dict = {}
+        exec(compile(path.read_text(), str(path), "exec"), ns)
+        for i, w in enumerate(p.workloads):
+            args, _ = call_args(inputs[i], dev)
+            ref_args, _ = call_args(inputs[i], dev)
+            with torch.no_grad():
+                out, ref = ns["forward"](region, *args), region(*ref_args)
+                tol = default_tolerance(ref.dtype, float(ref.abs().max()))
+                err = tol.error(float((out.float() - ref.float()).abs().max()), float(ref.abs().max()))
+                cache_err = float((args[1].float() - ref_args[1].float()).abs().max())
+                eager = do_bench(lambda: region(*ref_args))
+                cand = do_bench(lambda: ns["forward"](region, *args))
+            print(f"\n{name:18s} {w.name:13s} err {err:.2e} ({tol}) cache {cache_err:.1e} "
+                  f"eager {eager:.3f} ms cand {cand:.3f} ms x{eager / cand:.2f}")
+            if err > tol.value or cache_err > 0:
+                failures.append((name, w.name, err, cache_err))
+    assert not failures, failures

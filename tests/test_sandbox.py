@@ -150,7 +150,7 @@ def test_harness_survives_crashes_and_still_verifies_and_times(runner):
     assert trial.status is Status.ok, trial.reason
     assert trial.error is not None and trial.error <= 1e-4
     assert trial.fresh_error is not None and trial.fresh_error <= 1e-4
-    assert {t.workload for t in trial.timings} == {"prefill", "decode", "small_batch"}
+    assert {t.workload for t in trial.timings} == {"prefill", "decode", "long_prefill", "small_batch"}
     assert all(t.timing_kind == "cpu" and t.baseline_ms > 0 and t.candidate_ms > 0 for t in trial.timings)
     assert trial.speedup is not None and trial.ranked
 
