@@ -63,11 +63,20 @@ def table(result, trace: str) -> list[str]:
         cells.append(f"±{w.noise_band:.1%}")
         rows.append(cells)
     totals = dict(weighted_totals(result))
-    eager = totals.get("eager")
+    weighted = [w for w in result.workloads if w.weight > 0]
 
     def total(name: str) -> str:
+        """The trace's total, and its speedup against eager timed side by side in the same
+        worker (sum of weight x that worker's eager ms over sum of weight x ms)."""
         t = totals.get(name)
-        return "failed" if t is None else f"{t:.2f}" + (f" ({eager / t:.2f}x)" if eager and name != "eager" else "")
+        if t is None or name == "eager":
+            return "failed" if t is None else f"{t:.2f}"
+        if name == "nightshift":
+            side = sum(w.weight * w.eager_ms for w in weighted)
+        else:
+            sps = [w.baseline_speedups.get(name) for w in weighted]
+            side = None if None in sps else sum(w.weight * w.baselines[name] * sp for w, sp in zip(weighted, sps))
+        return f"{t:.2f}" + (f" ({side / t:.2f}x)" if side and t else "")
     rows.append([f"TRACE {Path(trace).name} (sum weight x ms)", "", total("eager"), total("nightshift"),
                  *(total(m) for m in modes), f"±{(result.noise_band or 0):.1%}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -95,6 +104,8 @@ def main() -> None:
     ap.add_argument("--model-workloads", action=argparse.BooleanOptionalAction, default=True,
                     help="Also time the model's own KV-cache workloads (weight 0).")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--compile-s", type=float, default=150.0,
+                    help="Integration's limit on one candidate's compile (a torch.compile mode past it: failed, timeout).")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     from agent.integrate import BASELINES, integrate
@@ -106,7 +117,9 @@ def main() -> None:
     print(f"[{time.strftime('%H:%M:%S')}] tune on {args.trace} ({args.gpu_hours} device-hours)", flush=True)
     run = tune(args.out_dir, args)
     print(f"[{time.strftime('%H:%M:%S')}] integrate {run} ({time.time() - t0:.0f}s so far)", flush=True)
+    from sandbox.runner import Limits
     result = integrate(run, None if args.device == "auto" else args.device, baselines=bool(modes), modes=modes,
+                       limits=Limits(compile_s=args.compile_s, run_s=600, time_s=300),
                        on_note=lambda n: print(f"  note: {n}", flush=True))
     lines = table(result, args.trace)
     print("\n".join(lines))

@@ -6,8 +6,8 @@ the frozen input set (`Problem.inplace_inputs`: "args.1", "kwargs.k_cache"). Aft
 call, the parent judges what it left in its inputs against the original's post-call inputs:
 
 - a declared argument must hold, where the original wrote, what the original wrote (within the
-  tolerance: a cache left stale fails), and must keep, bit for bit, every element the original
-  left as it was (writing other cache positions fails);
+  tolerance: a cache left stale fails), and must keep, bit for bit, every position (vector along
+  the last dim) the original left as it was (writing other cache positions fails);
 - every other argument must come back bit-identical to the original's.
 """
 
@@ -73,8 +73,11 @@ def check(paths: list[str], got: Any, original: Any, before: Any, tol, diff) -> 
             return Status.wrong, f"in-place output {path} came back with another shape or dtype"
         comparable = isinstance(b, torch.Tensor) and b.shape == o.shape and b.dtype == o.dtype and o.numel()
         if comparable:
-            # Per element: an element any byte of which the original changed is written.
+            # Written: every element of a position (a vector along the last dim, one cache
+            # slot) any byte of which the original changed; the rest must stay as it was.
             per_elem = (_bytes(o) != _bytes(b)).view(o.numel(), o.element_size()).any(dim=1).view(o.shape)
+            if o.dim() > 1:
+                per_elem = per_elem.any(dim=-1, keepdim=True).expand_as(per_elem)
             kept = ~per_elem
             g_kept, b_kept = _bytes(g[kept]), _bytes(b[kept])
             if not torch.equal(g_kept, b_kept):
