@@ -1,9 +1,9 @@
 """EXPECT: suspicious -- while called, makes time.perf_counter's next reading equal to the last,
-so the host clock around the call reads zero, and restores it at once: the integrity check sees
-nothing, the tuner's own clock does (on a GPU the harness uses CUDA events, and the run is only
-as fast as it is).
+so the host clock around the call reads zero, and restores it at once. The integrity check may
+catch it (on the H200 it did); if not, the tuner's own clock does (on a GPU the harness uses
+CUDA events, so the run is timed only as fast as it is: ok there).
 TIMING: on
-EXPECT_GPU: ok"""
+EXPECT_GPU: ok|suspicious"""
 import time
 
 import torch
