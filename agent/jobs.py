@@ -76,6 +76,10 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
             raise UserError(f"{flag}: no module class {', '.join(unknown)} in the model "
                             f"(has: {', '.join(sorted({type(m).__name__ for m in loaded.model.modules()}))})")
     ceilings = get_ceilings(dev)
+    # torch imports its compiler lazily, on the first call some ops make under the profiler's
+    # modes (indexing a tensor, as a KV cache per layer does): a SIGTERM in the middle of that
+    # import left the interpreter half-initialised, dying of SIGINT instead of exiting 130.
+    import torch._dynamo  # noqa: F401
     run = RunFolder.create(runs_dir, loaded.path)
     try:
         with user_code(model), native_stderr_without("USDT:"):
