@@ -71,7 +71,7 @@ def runner(frozen_run, monkeypatch_module):
     # A secret in the tuner's environment and one in the run folder must never reach candidate code.
     monkeypatch_module.setenv("ANTHROPIC_API_KEY", "sk-ant-test-not-a-real-key")
     (frozen_run.parent / "secret.txt").write_text(CANARY)
-    r = TrialRunner("cpu", Limits(compile_s=30, run_s=8, time_s=60, budget_ms=50, max_reps=20),
+    r = TrialRunner("cpu", Limits(compile_s=30, run_s=15, time_s=60, budget_ms=50, max_reps=20),
                     WorkerConfig(device="cpu", memory_gb=6))
     r.add_problem(frozen_run / "LlamaRMSNorm")
     yield r
