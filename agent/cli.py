@@ -39,6 +39,11 @@ def _say(text: str) -> None:
     out.print(text, **PLAIN)
 
 
+TRACE_HELP = ("A request trace (JSON Lines: arrival_s, prompt_tokens, output_tokens, shared_prefix_tokens): "
+              "its requests grouped into named shapes, weighted by what each costs the trace, replace the "
+              "model's own workloads (needs make_workload() in the model file; see tools/traffic.py).")
+
+
 def _guard(fn):
     """Turn the library's user-facing errors into one line and exit code 2."""
     @wraps(fn)
@@ -89,6 +94,7 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="Machine-readable
 def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelBench convention)."),
             device: str = typer.Option("auto", help="cuda, cuda:N or cpu (auto: cuda if present)."),
             workload: Optional[str] = typer.Option(None, help="Profile one named workload only."),
+            workloads: Optional[Path] = typer.Option(None, "--workloads", help=TRACE_HELP),
             runs_dir: Path = typer.Option(Path("runs"), help="Where run folders are created."),
             tolerance: Optional[str] = typer.Option(None, help="abs:VALUE or rel:VALUE for every region."),
             region_tolerance: list[str] = typer.Option([], help="CLASS=abs:VALUE, per region; repeatable."),
@@ -106,7 +112,8 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
     from tools.profiler import render_hotspots, torch_profiler_table
     res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
                              region_tolerance=region_tolerance, coverage=coverage, max_regions=max_regions,
-                             freeze_problems=freeze, regions=_names(regions), e2e_tolerance=e2e_tolerance)
+                             freeze_problems=freeze, regions=_names(regions), e2e_tolerance=e2e_tolerance,
+                             trace=workloads)
     if json_out:
         _emit_json({"run": str(res.run.path), "hotspots": json.loads(res.result.model_dump_json()),
                     "problems": [p.name for p in res.problems], "skipped": res.skipped})
@@ -163,6 +170,9 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
                                                        "by CPU cores per GPU)."),
          device: str = typer.Option("auto", help="Device for profiling and the frozen references."),
          workload: Optional[str] = typer.Option(None, help="Use one named workload only."),
+         workloads: Optional[Path] = typer.Option(None, "--workloads", help=TRACE_HELP),
+         model_workloads: bool = typer.Option(False, help="With --workloads: also time the model's own "
+                                              "workloads (weight 0: shown, not part of the trace's cost)."),
          gpu_hours: Optional[float] = typer.Option(None, help="Cap on device time over all devices, hours "
                                                    "(default 0.25)."),
          max_candidates: Optional[int] = typer.Option(None, help="Cap on candidates tried (default 200)."),
@@ -189,7 +199,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
              "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
              "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd}
     request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
-                          max_regions, _names(regions), runs_dir, integrate, baselines)
+                          max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads)
     tty = sys.stdout.isatty()
     result = tune_session(request, say=(lambda text: None) if json_out else _say,
                           warn=lambda text: err.print(f"note: {text}", **PLAIN),

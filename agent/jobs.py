@@ -48,7 +48,8 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                        tolerance: str | None = None, region_tolerance: list[str] = (),
                        stop_rule: StopRule | None = None, targets: list[str] | None = None,
                        coverage: float = 0.9, max_regions: int = 8, freeze_problems: bool = True,
-                       regions: list[str] | None = None, e2e_tolerance: str | None = None) -> ProfileOutcome:
+                       regions: list[str] | None = None, e2e_tolerance: str | None = None,
+                       trace: Path | None = None, trace_keep_own: bool = False) -> ProfileOutcome:
     """Profile the model and freeze its hotspots into a new run folder. Every input is checked
     before the model is touched; a failure after the folder was made removes it again, so a
     bad input (or Ctrl-C) leaves no half-made run behind."""
@@ -67,7 +68,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
         raise UserError(f"--coverage {coverage}: give a share of the model's time in (0, 1], e.g. 0.9")
     check_runs_dir(runs_dir)
     with user_code(model):
-        loaded = load_model(model, dev, workload=workload)
+        loaded = load_model(model, dev, workload=workload, trace=trace, trace_keep_own=trace_keep_own)
     classes = {n for m in loaded.model.modules() for n in (type(m).__name__, type(m).__qualname__)}
     for flag, names in (("--regions", regions or []), ("--region-tolerance", list(per_region))):
         unknown = [n for n in names if n not in classes]
@@ -75,6 +76,10 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
             raise UserError(f"{flag}: no module class {', '.join(unknown)} in the model "
                             f"(has: {', '.join(sorted({type(m).__name__ for m in loaded.model.modules()}))})")
     ceilings = get_ceilings(dev)
+    # torch imports its compiler lazily, on the first call some ops make under the profiler's
+    # modes (indexing a tensor, as a KV cache per layer does): a SIGTERM in the middle of that
+    # import left the interpreter half-initialised, dying of SIGINT instead of exiting 130.
+    import torch._dynamo  # noqa: F401
     run = RunFolder.create(runs_dir, loaded.path)
     try:
         with user_code(model), native_stderr_without("USDT:"):
@@ -113,7 +118,8 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                 skipped["(whole model)"] = f"no end-to-end reference: {e}"
         run.write_info(RunInfo(run_id=run.run_id, model_file=str(loaded.path), model_hash=loaded.file_hash,
                                device=dev.type, versions={k: str(v) for k, v in software_versions().items()},
-                               options={"workload": workload, "stop_rule": (stop_rule or StopRule()).model_dump()},
+                               options={"workload": workload, "trace": str(trace) if trace else None,
+                                        "stop_rule": (stop_rule or StopRule()).model_dump()},
                                skipped=skipped))
     except BaseException:
         shutil.rmtree(run.path, ignore_errors=True)

@@ -51,6 +51,10 @@ class TuneRequest:
     runs_dir: Path = Path("runs")
     integrate: bool = True
     baselines: bool | None = None
+    trace: Path | None = None
+    """--workloads TRACE.jsonl: the workload mix from a request trace (tools/traffic.py)."""
+    trace_keep_own: bool = False
+    """--model-workloads: with a trace, the model's own workloads too, at weight 0."""
 
 
 @dataclass
@@ -96,7 +100,8 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
             _check_search(settings)
             res = profile_and_freeze(req.model, req.device, req.workload, req.runs_dir, tolerance=req.tolerance,
                                      stop_rule=settings.stop_rule, max_regions=req.max_regions, regions=req.regions,
-                                     region_tolerance=req.region_tolerance, e2e_tolerance=req.e2e_tolerance)
+                                     region_tolerance=req.region_tolerance, e2e_tolerance=req.e2e_tolerance,
+                                     trace=req.trace, trace_keep_own=req.trace_keep_own)
             run = res.run
             say(f"run folder {run.path}: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
             lock = run.lock().acquire()

@@ -14,8 +14,26 @@ Environment variables, read when the model and its inputs are built (not at impo
 - `LLAMA_DTYPE=bfloat16|float16|float32|float64`: default bfloat16 with CUDA, float32
   without (Triton's CPU interpreter mishandles bf16).
 
-Workloads (batch x sequence of hidden states): full preset prefill 1x2048, decode 32x1,
-small_batch 8x128; small preset prefill 1x256, decode 8x1, small_batch 4x32. Weights and
+Workloads are served-model calls over a KV cache: hidden states [batch, new tokens, hidden],
+the per-layer caches k_cache, v_cache [layers, batch, kv heads, context + new, head_dim], and
+`cache_len`, the number of positions already filled (the history, seeded random values).
+Attention writes its new keys and values into the cache in place (`inplace_outputs`: the
+verifier compares the updated cache with the original's, see tools/verify.py) and attends
+over positions 0 .. cache_len + new - 1, causally.
+
+| workload     | full preset (Llama-3-8B, bf16)   | small preset (CPU)          |
+|--------------|----------------------------------|-----------------------------|
+| prefill      | 1 x 2048, empty cache            | 1 x 256                     |
+| decode       | 32 x 1 over a 4096-position cache | 8 x 1 over 256 positions    |
+| long_prefill | 1 x 16384, empty cache           | 1 x 1024                    |
+| small_batch  | 8 x 128 after 896 cached tokens  | 4 x 32 after 96             |
+
+Memory (full preset, 2 layers): the decode caches are 2 x 2 x 32 x 8 x 4096 x 128 bf16 =
+1.07 GB; long prefill's MLP intermediates 16384 x 14336 bf16 = 0.47 GB each.
+
+`make_workload(batch, new_tokens, context)` builds the inputs of any such shape (what
+`--workloads TRACE.jsonl` calls for the shapes of a request trace; the small preset divides
+token counts by SMALL_TRACE_SCALE so that a trace's shapes stay CPU-sized). Weights and
 inputs are seeded, so every process builds the same model and the same inputs.
 """
 
@@ -48,17 +66,21 @@ class LlamaConfig:
 
 PRESETS = {
     "full": dict(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-                 head_dim=128, max_positions=4096),
+                 head_dim=128, max_positions=32768),
     # Same 3.5x SwiGLU ratio and 4:1 GQA grouping as the full model, at CPU-friendly sizes.
     "small": dict(hidden_size=256, intermediate_size=896, num_heads=8, num_kv_heads=2,
-                  head_dim=32, max_positions=512),
+                  head_dim=32, max_positions=2048),
 }
 
-# (name, batch, sequence) per preset; the first one is what get_inputs() returns.
+# (name, batch, new tokens, cached context) per preset; the first is what get_inputs() returns.
 WORKLOADS = {
-    "full": [("prefill", 1, 2048), ("decode", 32, 1), ("small_batch", 8, 128)],
-    "small": [("prefill", 1, 256), ("decode", 8, 1), ("small_batch", 4, 32)],
+    "full": [("prefill", 1, 2048, 0), ("decode", 32, 1, 4095), ("long_prefill", 1, 16384, 0),
+             ("small_batch", 8, 128, 896)],
+    "small": [("prefill", 1, 256, 0), ("decode", 8, 1, 255), ("long_prefill", 1, 1024, 0),
+              ("small_batch", 4, 32, 96)],
 }
+SMALL_TRACE_SCALE = 16
+"""The small preset's make_workload divides a trace's token counts by this."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32, "float64": torch.float64}
@@ -145,23 +167,38 @@ class LlamaAttention(nn.Module):
         self.register_buffer("cos_cached", cos.to(cfg.dtype), persistent=False)
         self.register_buffer("sin_cached", sin.to(cfg.dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    inplace_outputs = ("k_cache", "v_cache")
+    """Arguments the forward writes into (the verifier compares them with the original's)."""
+
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor | None = None,
+                v_cache: torch.Tensor | None = None, cache_len: int = 0) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
-        # No KV cache: every call sees positions 0..seq-1.
-        cos, sin = self.cos_cached[:seq], self.sin_cached[:seq]
+        # The new tokens sit at positions cache_len .. cache_len + seq - 1.
+        end = cache_len + seq
+        cos, sin = self.cos_cached[cache_len:end], self.sin_cached[cache_len:end]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if k_cache is not None:
+            k_cache[:, :, cache_len:end] = k
+            v_cache[:, :, cache_len:end] = v
+            k, v = k_cache[:, :, :end], v_cache[:, :, :end]
 
         # Query head h reads KV head h // group, as HF's repeat_kv.
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
 
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache_len == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif seq == 1:  # one new token sees the whole cache
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:  # query i is position cache_len + i: it sees keys 0 .. cache_len + i
+            mask = torch.ones(seq, end, dtype=torch.bool, device=x.device).tril(cache_len)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -185,8 +222,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.dtype)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x))
+    inplace_outputs = ("k_cache", "v_cache")
+
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor | None = None,
+                v_cache: torch.Tensor | None = None, cache_len: int = 0) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, cache_len)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -204,9 +244,13 @@ class Model(nn.Module):
             self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
             self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.dtype)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden_states = layer(hidden_states)
+    inplace_outputs = ("k_cache", "v_cache")
+
+    def forward(self, hidden_states: torch.Tensor, k_cache: torch.Tensor | None = None,
+                v_cache: torch.Tensor | None = None, cache_len: int = 0) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            hidden_states = layer(hidden_states, None if k_cache is None else k_cache[i],
+                                  None if v_cache is None else v_cache[i], cache_len)
         return self.norm(hidden_states)
 
 
@@ -214,15 +258,43 @@ def get_init_inputs() -> list:
     return [llama_config().num_layers]
 
 
-def get_workloads() -> dict:
+def cache_inputs(batch: int, new_tokens: int, context: int, seed: int = INPUT_SEED) -> list:
+    """[hidden states, k_cache, v_cache, cache_len] for `batch` sequences of `new_tokens` new
+    tokens after `context` cached ones (seeded: the same values in every process)."""
     cfg = llama_config()
-    workloads = {}
-    for i, (name, batch, seq) in enumerate(WORKLOADS[preset_name()]):
-        gen = torch.Generator().manual_seed(INPUT_SEED + i)
-        # Drawn in float32 and cast, so every dtype sees the same values (up to rounding).
-        x = torch.randn(batch, seq, cfg.hidden_size, generator=gen).to(cfg.dtype)
-        workloads[name] = {"inputs": [x], "weight": 1.0}
-    return workloads
+    if batch < 1 or new_tokens < 1 or context < 0:
+        raise ValueError(f"batch {batch}, new tokens {new_tokens}, context {context}: need batch >= 1, "
+                         "new tokens >= 1, context >= 0")
+    if context + new_tokens > cfg.max_positions:
+        raise ValueError(f"context {context} + new tokens {new_tokens} is past this preset's "
+                         f"{cfg.max_positions} positions")
+    gen = torch.Generator().manual_seed(seed)
+    # Drawn in float32 and cast, so every dtype sees the same values (up to rounding).
+    x = torch.randn(batch, new_tokens, cfg.hidden_size, generator=gen).to(cfg.dtype)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, context + new_tokens, cfg.head_dim)
+    # History at the scale k_proj/v_proj give (std 0.02 * sqrt(hidden)); new positions zero.
+    caches = []
+    for _ in range(2):
+        cache = torch.zeros(shape, dtype=cfg.dtype)
+        if context:
+            hist = torch.randn(*shape[:3], context, shape[4], generator=gen) * (0.02 * cfg.hidden_size ** 0.5)
+            cache[:, :, :, :context] = hist.to(cfg.dtype)
+        caches.append(cache)
+    return [x, caches[0], caches[1], context]
+
+
+def make_workload(batch: int, new_tokens: int, context: int) -> list:
+    """The inputs of one shape of a request trace (`--workloads TRACE.jsonl`); the small
+    preset scales token counts down by SMALL_TRACE_SCALE."""
+    if preset_name() == "small":
+        new_tokens = max(1, new_tokens // SMALL_TRACE_SCALE) if new_tokens > 1 else 1
+        context //= SMALL_TRACE_SCALE
+    return cache_inputs(batch, new_tokens, context, INPUT_SEED + 7919 * batch + 31 * new_tokens + context)
+
+
+def get_workloads() -> dict:
+    return {name: {"inputs": cache_inputs(batch, new, context, INPUT_SEED + i), "weight": 1.0}
+            for i, (name, batch, new, context) in enumerate(WORKLOADS[preset_name()])}
 
 
 def get_inputs() -> list:

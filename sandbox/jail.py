@@ -113,9 +113,27 @@ def hidden_paths(strong: list[Path]) -> tuple[list[str], list[str]]:
         if p.is_dir() and p not in (ROOT, Path.cwd().resolve()):
             hard.append(str(p))
         for git in (p / ".git", p.parent / ".git"):
-            if git.exists():
-                hard.append(str(git.resolve()))
+            hard += _git_dirs(git)
     return sorted(set(weak)), sorted(set(hard))
+
+
+def _git_dirs(git: Path) -> list[str]:
+    """The folders holding a checkout's git data: `.git` itself, or for a worktree (whose `.git`
+    is a file naming its folder, `gitdir: ...`) that folder and the main repository's."""
+    if git.is_dir():
+        return [str(git.resolve())]
+    if not git.is_file():
+        return []
+    try:
+        target = git.read_text(errors="replace").strip().removeprefix("gitdir:").strip()
+    except OSError:
+        return []
+    linked = (git.parent / target).resolve()
+    if not linked.is_dir():
+        return []
+    common = linked / "commondir"
+    main = (linked / common.read_text().strip()).resolve() if common.is_file() else None
+    return [str(linked)] + ([str(main)] if main is not None and main.is_dir() else [])
 
 
 def python_paths() -> list[str]:

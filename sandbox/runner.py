@@ -48,6 +48,7 @@ class LoadedProblem:
     problem: Problem
     folder: Path
     reference: list[dict]
+    pre_inputs: list | None = None
 
 
 def seed() -> int:
@@ -223,7 +224,7 @@ class TrialRunner:
             return None, self._fail(c, lp, Reply(False, status="crash", error="the worker sent incomplete outputs"))
         ev = verify.Evidence(reference=lp.reference, effects=reg.effects, fresh=refs.tensors["fresh"],
                              fresh_sets=[f["set"] for f in fresh], perturbed=refs.tensors["perturbed"],
-                             perturbed_set=perturb["set"])
+                             perturbed_set=perturb["set"], pre_inputs=_pre_inputs(lp, reg))
         return verify.judge(p, ev, reply.header, runs, self.device.split(":")[0]), None
 
     def _suspicious(self, c: Candidate, lp: LoadedProblem, reason: str, **extra: Any) -> Trial:
@@ -234,6 +235,16 @@ class TrialRunner:
         self.worker.close()
         if self.own_reference:
             self.reference.close()
+
+
+def _pre_inputs(lp: LoadedProblem, reg) -> list | None:
+    """The frozen inputs (memory-mapped), where the problem has declared in-place outputs the
+    original writes: the verifier checks what it leaves untouched stays untouched."""
+    if not lp.problem.inplace_inputs or not any(reg.effects.get("mutates_inputs") or []):
+        return None
+    if lp.pre_inputs is None:
+        lp.pre_inputs = lp.problem.load_tensors(lp.folder, inputs=True, state=False)[0]
+    return lp.pre_inputs
 
 
 def _smallest_set(p: Problem) -> int:

@@ -95,11 +95,17 @@ def small_llama(monkeypatch):
     return import_model_file(LLAMA)
 
 
-def test_llama_small_preset_loads_with_three_workloads(small_llama):
+def test_llama_small_preset_loads_with_kv_cache_workloads(small_llama):
     loaded = load_model(LLAMA)
-    shapes = {w.name: tuple(w.inputs[0].shape) for w in loaded.workloads}
-    assert shapes == {"prefill": (1, 256, 256), "decode": (8, 1, 256), "small_batch": (4, 32, 256)}
+    shapes = {w.name: (tuple(w.inputs[0].shape), tuple(w.inputs[1].shape), w.inputs[3]) for w in loaded.workloads}
+    assert shapes == {"prefill": ((1, 256, 256), (2, 1, 2, 256, 32), 0),
+                      "decode": ((8, 1, 256), (2, 8, 2, 256, 32), 255),
+                      "long_prefill": ((1, 1024, 256), (2, 1, 2, 1024, 32), 0),
+                      "small_batch": ((4, 32, 256), (2, 4, 2, 128, 32), 96)}
     assert len(loaded.model.layers) == 2
+    # The forward the load ran to check the model was undone: the caches are as they were made.
+    decode = next(w for w in loaded.workloads if w.name == "decode")
+    assert decode.inputs[1][:, :, :, 255].abs().max() == 0 and torch.equal(decode.inputs[1], decode.pristine[1])
     with torch.no_grad():
         for w in loaded.workloads:
             out = loaded.model(*w.inputs)
@@ -147,7 +153,7 @@ def test_llama_names_other_tools_rely_on(small_llama):
     layer = small_llama.Model().layers[0]
     attn = layer.self_attn
     assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (8, 2, 32)
-    assert attn.cos_cached.shape == attn.sin_cached.shape == (512, 32)
+    assert attn.cos_cached.shape == attn.sin_cached.shape == (2048, 32)
     assert "cos_cached" not in layer.state_dict() and "self_attn.cos_cached" not in layer.state_dict()
     assert isinstance(layer.input_layernorm.eps, float)
     assert layer.mlp.gate_proj.weight.shape == (896, 256)

@@ -189,5 +189,5 @@ def test_the_patched_model_without_a_gpu_runs_the_original_forward_with_one_warn
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["routed"] == "LlamaRMSNorm"  # routed, and at call time it falls back
-    assert out["same"] == [True, True, True]  # the original forward ran: bit for bit the original outputs
+    assert out["same"] == [True] * 4  # one per workload: the original forward ran, bit for bit the original outputs
     assert len(out["warnings"]) == 1 and "need a GPU" in out["warnings"][0], out["warnings"]

@@ -71,7 +71,7 @@ def runner(frozen_run, monkeypatch_module):
     # A secret in the tuner's environment and one in the run folder must never reach candidate code.
     monkeypatch_module.setenv("ANTHROPIC_API_KEY", "sk-ant-test-not-a-real-key")
     (frozen_run.parent / "secret.txt").write_text(CANARY)
-    r = TrialRunner("cpu", Limits(compile_s=30, run_s=8, time_s=60, budget_ms=50, max_reps=20),
+    r = TrialRunner("cpu", Limits(compile_s=30, run_s=15, time_s=60, budget_ms=50, max_reps=20),
                     WorkerConfig(device="cpu", memory_gb=6))
     r.add_problem(frozen_run / "LlamaRMSNorm")
     yield r
@@ -156,7 +156,7 @@ def test_harness_survives_crashes_and_still_verifies_and_times(runner):
     assert trial.status is Status.ok, trial.reason
     assert trial.error is not None and trial.error <= 1e-4
     assert trial.fresh_error is not None and trial.fresh_error <= 1e-4
-    assert {t.workload for t in trial.timings} == {"prefill", "decode", "small_batch"}
+    assert {t.workload for t in trial.timings} == {"prefill", "decode", "long_prefill", "small_batch"}
     assert all(t.timing_kind == "cpu" and t.baseline_ms > 0 and t.candidate_ms > 0 for t in trial.timings)
     assert trial.speedup is not None and trial.ranked
 

@@ -29,7 +29,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tools.footprint import Admission, DoesNotFit
 from tools.graph import region_facts, signature_facts
-from tools.modelfile import LoadedModel, file_sha256, tensors_in
+from tools.inplace import inplace_paths
+from tools.modelfile import LoadedModel, file_sha256, inplace_names, tensors_in
 from tools.problem import (Problem, ProblemError, StopRule, TensorSpec, Tolerance, Workload, default_tolerance,
                            file_hash, tensor_hash)
 from tools.recording import record_calls
@@ -198,7 +199,8 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             metric="weighted_latency" if len(workloads) > 1 else "latency",
             target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
             share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
-            floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes))
+            floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes),
+            inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]))
         problem.save(folder / name, inputs, reference, state)
         problems.append(problem)
         del inputs, raw_outputs, reference, flat, alone
@@ -241,6 +243,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     inputs, reference, workloads = [], [], []
     with torch.no_grad():
         for w in loaded.workloads:
+            if hasattr(w, "restore"):
+                w.restore()  # a KV cache starts as the workload made it, not as the last forward left it
             input_set = {"args": _detach_cpu(list(w.inputs)), "kwargs": {}}
             leaves, structure = flatten(loaded.model(*w.inputs))
             if structure.startswith("?") or "?" in structure:
@@ -254,6 +258,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 tol, source = tolerance, "cli"
             else:
                 tol, source = calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
+            if hasattr(w, "restore"):
+                w.restore()
             inputs.append(input_set)
             reference.append({"structure": structure, "outputs": outs})
             workloads.append(Workload(
@@ -268,6 +274,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         children={n: type(c).__qualname__ for n, c in model.named_children()}, workloads=workloads,
         tolerance=workloads[0].tolerance, tolerance_source="per workload (end to end)",
         metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
+        inplace_inputs=inplace_paths([p["name"] for p in signature_facts(type(model))],
+                                     set(inplace_names(type(model))), inputs[0]),
         model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}))
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem

@@ -6,7 +6,14 @@ A model file defines:
 - `get_init_inputs()` -> list of positional arguments for `Model(...)`;
 - `get_inputs()` -> list of positional arguments for `Model.forward`;
 - optionally `get_workloads()` -> {name: {"inputs": [...], "weight": float}} (or a list of
-  dicts with a "name" key); the metric is then the weighted latency over them.
+  dicts with a "name" key); the metric is then the weighted latency over them;
+- optionally `make_workload(batch, new_tokens, context)` -> inputs of one request shape, which
+  `--workloads TRACE.jsonl` calls for the shapes a request trace groups into (tools/traffic.py);
+- optionally `Model.inplace_outputs` (and the same on region classes): names of forward
+  arguments the call writes into, such as a KV cache. Their workload inputs are kept pristine
+  (restored after every forward the tuner runs itself) so that what is frozen is the state
+  before the call, and the verifier compares what a candidate writes there with what the
+  original writes (tools/verify.py) instead of rejecting it as `mutated_input`.
 
 Any failure becomes a `ModelFileError` that names the file and says what went wrong in one
 line, so the CLI can print it without a traceback.
@@ -40,6 +47,23 @@ class WorkloadInputs:
     name: str
     inputs: list[Any]
     weight: float = 1.0
+    pristine: list[Any] | None = None
+    """Host copies of `inputs` before any call, kept where the model declares in-place outputs."""
+
+    def restore(self) -> None:
+        """Undo what forwards wrote into the inputs (a KV cache), so the next call starts as the first."""
+        if self.pristine is None:
+            return
+        for now, before in zip(tensors_in(self.inputs), tensors_in(self.pristine)):
+            now.copy_(before)
+
+
+def inplace_names(cls: type) -> tuple[str, ...]:
+    """The forward arguments a module class declares it writes into (`inplace_outputs`)."""
+    names = getattr(cls, "inplace_outputs", ())
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        return ()
+    return tuple(names)
 
 
 @dataclass
@@ -208,10 +232,42 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _host_copy(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    return obj
+
+
+def trace_workloads(path: Path, module: ModuleType, trace: str | Path, keep_own: bool = False) -> list[WorkloadInputs]:
+    """The workloads a request trace groups into (tools/traffic.py), built by the file's
+    `make_workload(batch, new_tokens, context)`; their weights say what the trace costs.
+    `keep_own`: the file's own workloads too, named `model:NAME`, at weight 0 (timed and shown,
+    not part of the trace's cost)."""
+    from tools.traffic import TraceError, group, read_trace
+    if not callable(getattr(module, "make_workload", None)):
+        raise ModelFileError(f"{path}: --workloads needs make_workload(batch, new_tokens, context) in the model "
+                             "file, to build the inputs of each shape of the trace")
+    try:
+        shapes = group(read_trace(trace))
+    except TraceError as e:
+        raise ModelFileError(f"--workloads {e}") from None
+    out = [WorkloadInputs(s.name, _as_list(path, f"make_workload() for {s.name!r}", _call(
+        path, f"make_workload({s.batch}, {s.new_tokens}, {s.context}) for trace shape {s.name!r}",
+        module.make_workload, s.batch, s.new_tokens, s.context)), s.weight) for s in shapes]
+    own = [WorkloadInputs(f"model:{w.name}", w.inputs, 0.0) for w in _workloads(path, module)] if keep_own else []
+    return out + own
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload: str | None = None,
-               check_forward: bool = True) -> LoadedModel:
-    """Import the file, build the model on `device`, collect its workloads and run one
-    forward pass per workload so that a model that raises fails here, with a clear message."""
+               check_forward: bool = True, trace: str | Path | None = None,
+               trace_keep_own: bool = False) -> LoadedModel:
+    """Import the file, build the model on `device`, collect its workloads (or the shapes of a
+    request trace) and run one forward pass per workload so that a model that raises fails
+    here, with a clear message."""
     path = Path(path).resolve()
     device = torch.device(device)
     with recording_environment() as env:
@@ -219,7 +275,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
         module = import_model_file(path)
         init_inputs = _as_list(path, "get_init_inputs()", _call(path, "get_init_inputs()", module.get_init_inputs))
         model = _call(path, "Model(*get_init_inputs())", module.Model, *init_inputs)
-        workloads = _workloads(path, module)
+        workloads = _workloads(path, module) if trace is None else trace_workloads(path, module, trace, trace_keep_own)
     if not isinstance(model, torch.nn.Module):
         raise ModelFileError(f"{path}: Model(...) did not return a torch.nn.Module")
     model = _call(path, f"moving the model to {device}", model.to, device).eval()
@@ -235,6 +291,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
                 raise ModelFileError(
                     f"{path}: workload {w.name!r} makes inputs on {t.device}, but the run is on "
                     f"{device}; create inputs on the CPU (they are moved for you)")
+        if inplace_names(type(model)):
+            w.pristine = _host_copy(w.inputs)
         w.inputs = to_device(w.inputs, device)
     if model_devices - {device} and any(d.type != device.type for d in model_devices):
         raise ModelFileError(f"{path}: the model keeps tensors on {sorted(map(str, model_devices))} "
@@ -243,4 +301,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
         with torch.no_grad():
             for w in workloads:
                 _call(path, f"Model.forward on workload {w.name!r}", model, *w.inputs)
+                w.restore()
     return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs, env)

@@ -206,6 +206,9 @@ class Problem(BaseModel):
     """Per workload: a lower bound on one call's time from bytes moved and FLOPs done."""
     hashes: dict[str, str] = Field(default_factory=dict)
     """sha256 of inputs.pt, reference.pt and state.pt."""
+    inplace_inputs: list[str] = Field(default_factory=list)
+    """Declared in-place outputs (a KV cache): where they are in an input set, "args.1" or
+    "kwargs.k_cache" (tools/inplace.py). The verifier compares them with the original's."""
     model_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables the model file read when it was frozen (LLAMA_PRESET, ...): the
     sandbox workers get exactly these, so they build the same model."""

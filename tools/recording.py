@@ -14,6 +14,10 @@ skipped and the reason names the argument. Models run with `use_cache=False` pas
 at all. Named tuples become plain tuples and dict subclasses plain dicts, the same check
 deciding whether that matters.
 
+Arguments the region declares it writes into (`inplace_outputs`, a KV cache) are copied
+before the call, so the frozen input is the state the call starts from; the model's own
+workload inputs are restored before every recorded forward (`WorkloadInputs.restore`).
+
 Memory: on a device, tensors are copied to the host once. On the CPU a tensor that covers
 its whole storage is shared, not copied, unless the model changes it in place after the
 call (its version counter moves): that workload is then recorded again with copies.
@@ -94,10 +98,19 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
     """Per workload: the region's first call ({"args", "kwargs"}), its outputs, how often it
     runs per forward, and notes on what was not plain data. Raises DoesNotFit (from
     `admission`) before copying a workload that cannot fit; RuntimeError if never called."""
+    from tools.modelfile import inplace_names
+    declared = set(inplace_names(type(module)))
     inputs, outputs, per_forward, notes = [], [], {}, []
     for w in workloads:
         for share in ((True, False) if admission.device.type == "cpu" else (False,)):
             rec, seen, calls = Recorder(share), {}, [0]
+
+            def before(_m, args, kwargs, seen=seen):
+                if "pre" not in seen:  # what the first call starts from, where it writes
+                    seen["pre"] = {i: a.detach().to("cpu", copy=True) for i, a in enumerate(args)
+                                   if i < len(names) and names[i] in declared and isinstance(a, torch.Tensor)}
+                    seen["pre"].update({k: v.detach().to("cpu", copy=True) for k, v in kwargs.items()
+                                        if k in declared and isinstance(v, torch.Tensor)})
 
             def hook(_m, args, kwargs, output, rec=rec, seen=seen, calls=calls):
                 calls[0] += 1
@@ -105,16 +118,26 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
                     return
                 admission.admit(nbytes(args) + nbytes(kwargs), nbytes(output))
                 sig = names
-                args_plain = [rec.plain(a, f"argument {sig[i] if i < len(sig) else i}") for i, a in enumerate(args)]
-                seen["call"] = ({"args": args_plain, "kwargs": {k: rec.plain(v, f"argument {k}") for k, v in kwargs.items()}},
+                pre = seen.get("pre", {})
+                args_plain = [pre[i] if i in pre else rec.plain(a, f"argument {sig[i] if i < len(sig) else i}")
+                              for i, a in enumerate(args)]
+                seen["call"] = ({"args": args_plain, "kwargs": {k: pre[k] if k in pre else rec.plain(v, f"argument {k}")
+                                                                for k, v in kwargs.items()}},
                                 rec.plain(output, "output"))
 
-            handle = module.register_forward_hook(hook, with_kwargs=True)
+            handles = [module.register_forward_pre_hook(before, with_kwargs=True)] if declared else []
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            restore = getattr(w, "restore", None)
             try:
+                if restore:
+                    restore()
                 with torch.no_grad():
                     model(*w.inputs)
             finally:
-                handle.remove()
+                for handle in handles:
+                    handle.remove()
+                if restore:
+                    restore()
             if "call" not in seen:
                 raise RuntimeError(f"it is not called in workload {w.name!r}")
             if not rec.changed():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tools import inplace
 from tools.problem import Problem, Tolerance
 from tools.trial import Status
 
@@ -131,6 +132,9 @@ class Evidence:
     perturbed: list | None = None
     """The original's outputs with perturbed parameters on frozen set `perturbed_set`."""
     perturbed_set: int = 0
+    pre_inputs: list | None = None
+    """The frozen input sets (the state before the call), where the problem declares in-place
+    outputs: what the original leaves untouched there must stay untouched."""
 
 
 def _alias_issue(meta: dict, original: list[dict] | None) -> str | None:
@@ -209,7 +213,12 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
             worst_b = b
         if a.error(tol) > tol.value or not math.isfinite(a.error(tol)):
             return Verdict(Status.wrong, f"input set {i}: error {a.error(tol):.3g} > tolerance {tol}", *_numbers(a, tol))
-        if mutates[i] and effects.get("post_inputs") and runs.get("post_inputs"):
+        if mutates[i] and problem.inplace_inputs and effects.get("post_inputs") and runs.get("post_inputs"):
+            bad = inplace.check(problem.inplace_inputs, runs["post_inputs"][i], effects["post_inputs"][i],
+                                ev.pre_inputs[i] if ev.pre_inputs else None, tol, diff)
+            if bad:
+                return Verdict(bad[0], f"input set {i}: {bad[1]}", *_numbers(a, tol))
+        elif mutates[i] and effects.get("post_inputs") and runs.get("post_inputs"):
             d = diff(_leaves(runs["post_inputs"][i]), _leaves(effects["post_inputs"][i]))
             if d.bad_nonfinite or d.error(tol) > tol.value:
                 return Verdict(Status.wrong, f"input set {i}: what the call writes into its inputs differs from the "

@@ -22,6 +22,7 @@ from functools import cache
 import jinja2
 
 from agent.planners import bindings as rules
+from agent.planners import kv_cache
 from agent.planners import traced
 from agent.prompting import prompts_dir
 from tools.problem import Problem
@@ -45,6 +46,8 @@ class KernelTemplate:
     def bindings(self, problem: Problem) -> list[dict]:
         """Each rule's binding on top of how the candidate's forward is declared (the region's
         own signature, its main input, the argument values it was verified on)."""
+        if problem.inplace_inputs and self.name not in PHASE:
+            return []  # a region writing a KV cache: only the templates that write it can compute it
         call = traced.call_vars(problem)
         return [{**call, **self.fixed, **b} for b in self.rule(problem)]
 
@@ -103,6 +106,16 @@ def _skinny_fits(weights: int) -> Callable[[dict], bool]:
     return fits
 
 
+DECODE_SPACE = {"BLOCK_N": (64, 32, 128, 16), "SPLITS": ("auto", 4, 8, 16, 32), "num_warps": (4, 2, 8),
+                "num_stages": (2, 1, 3)}
+PREFILL_SPACE = {"BLOCK_M": (64, 128, 32, 16), "BLOCK_N": (64, 32, 128), "num_warps": (4, 8, 2),
+                 "num_stages": (2, 3, 1, 4)}
+
+
+def _flash_fits(p: dict) -> bool:
+    return (p["BLOCK_M"] + 2 * p["BLOCK_N"]) * 128 * 2 * p["num_stages"] <= SMEM_BYTES
+
+
 _ALL = [
     KernelTemplate("rmsnorm", "kernels/rmsnorm.py.j2", ROW_SPACE, rules.rmsnorm,
                    "RMSNorm over the last dim, one row per program, fp32 sum of squares."),
@@ -147,12 +160,29 @@ _ALL = [
                    "(enable_gqa, no repeat_interleave copies).",
                    fixed={"kv": "gqa"}),
 ]
+_ALL += [
+    KernelTemplate("decode_attention", "kernels/decode_attention.py.j2", DECODE_SPACE, kv_cache.kv_cache_attention,
+                   "Attention over a KV cache (written in place): split-KV flash-decoding Triton kernel for "
+                   "one new token, SDPA over the cache otherwise."),
+    KernelTemplate("prefill_attention", "kernels/prefill_attention.py.j2", PREFILL_SPACE,
+                   kv_cache.kv_cache_attention,
+                   "Attention over a KV cache (written in place): causal flash-attention Triton kernel with "
+                   "the cache offset for prompts, SDPA over the cache for one new token.", fits=_flash_fits),
+]
 TEMPLATES: dict[str, KernelTemplate] = {t.name: t for t in _ALL}
+PHASE = {"decode_attention": "decode", "prefill_attention": "prefill"}
+"""Templates written for one phase of a workload mix: the heavier phase's goes first."""
 
 
 def applicable(problem: Problem) -> list[tuple[KernelTemplate, dict]]:
-    """Every (template, binding) that could compute this problem's region."""
-    return [(t, b) for t in TEMPLATES.values() for b in t.bindings(problem)]
+    """Every (template, binding) that could compute this problem's region; of the templates
+    for one phase (decode, prefill), the one for the phase with more of the metric first."""
+    found = [(t, b) for t in TEMPLATES.values() for b in t.bindings(problem)]
+    if any(t.name in PHASE for t, _ in found):
+        decode = kv_cache.decode_share(problem)
+        first = "decode" if decode >= 0.5 else "prefill"
+        found.sort(key=lambda tb: PHASE.get(tb[0].name, first) != first)
+    return found
 
 
 # -- rendering -----------------------------------------------------------------------------

@@ -199,8 +199,9 @@ class LLMPlanner:
                          "diff": diff[:6000]})
         failures = [{"hash": t.candidate_hash, "status": t.status.value, "reason": t.reason[:300],
                      "error_text": t.error_text[-800:].strip()} for t in history.failures(problem.name, 5)]
+        from agent.planners.kv_cache import mix
         return {"problem": problem, "weights": problem.weights, "device": self.device, "best": best,
-                "failures": failures, "n": n, "fmt_ms": _ms}
+                "failures": failures, "n": n, "fmt_ms": _ms, "mix": mix(problem) if problem.inplace_inputs else []}
 
 
 def _source_of(path: str) -> str:

@@ -13,7 +13,8 @@ from pygments.lexers import PythonLexer
 from pygments.styles import get_style_by_name
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import device_time, e2e_speedup, fmt_err, fmt_params, fmt_ms, standings, tidy, within
+from agent.report.numbers import (device_time, e2e_speedup, fmt_err, fmt_params, fmt_ms, standings, tidy,
+                                  weighted_totals, within)
 from agent.report.plots import plots
 
 MAX_DIFF_LINES = 600
@@ -160,6 +161,11 @@ def _summary(data: ReportData) -> list[str]:
                           set(range(1, 3 + len(names)))))
     else:
         out.append("<p class='muted'>No torch.compile baselines were recorded by integration.</p>")
+    if len(res.workloads) > 1:
+        totals = weighted_totals(res)
+        out.append(f"<h3>Weighted total over the workloads ({unit}; with a request trace: what it costs)</h3>")
+        out.append(_table([escape(n) for n, _ in totals], [["failed" if t is None else f"{t:.4g}" for _, t in totals]],
+                          set(range(len(totals)))))
     if res.accepted:
         out.append("<p>Applied: " + ", ".join(f"{escape(a.region)} (<code>{escape(a.candidate_hash)}</code>"
                                               + (f", {a.region_speedup:.2f}x alone" if a.region_speedup else "") + ")"

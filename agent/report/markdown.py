@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import device_time, e2e_speedup, fmt_err, fmt_ms, fmt_params, standings, tidy, within
+from agent.report.numbers import (device_time, e2e_speedup, fmt_err, fmt_ms, fmt_params, standings, tidy,
+                                  weighted_totals, within)
 
 
 def render_md(data: ReportData, images: dict[str, str] | None = None) -> str:
@@ -14,7 +15,7 @@ def render_md(data: ReportData, images: dict[str, str] | None = None) -> str:
           run_state(data), ""]
     L += [f"**Planner stopped:** {tidy(why)}" for why in data.planner_stops]
     L += ([""] if data.planner_stops else []) + ["## End to end", ""]
-    L += _md_integration(data)
+    L += _md_integration(data) + _md_totals(data)
     L += ["", "## Regions", "",
           "| region | share of model | trials | passing | best speedup | per generation | error / tolerance | template |",
           "|---|---|---|---|---|---|---|---|"]
@@ -80,6 +81,21 @@ def _md_integration(data: ReportData) -> list[str]:
     notes += [f"Baseline {k} failed: {tidy(v)}." for k, v in res.baseline_errors.items()]
     notes += [tidy(str(n)) for n in getattr(res, "notes", [])]
     return L + ([""] + [f"- {n}" for n in notes] if notes else [])
+
+
+def _md_totals(data: ReportData) -> list[str]:
+    """The mix's weighted total per way of running the model: with a request trace, what it costs."""
+    res = data.integration
+    if res is None or len(res.workloads) < 2:
+        return []
+    unit = "CPU ms" if res.timing_kind == "cpu" else "ms"
+    trace = (data.info.options or {}).get("trace")
+    what = (f"the trace `{trace}` (weight = calls of each shape in it, so this is its device time)" if trace
+            else "the workloads (sum of weight x time)")
+    totals = weighted_totals(res)
+    return ["", f"Weighted total over {what}, {unit}:", "",
+            "| " + " | ".join(n for n, _ in totals) + " |", "|---" * len(totals) + "|",
+            "| " + " | ".join("failed" if t is None else f"{t:.4g}" for _, t in totals) + " |"]
 
 
 def _md_region(data: ReportData, r: RegionView) -> list[str]:

@@ -50,6 +50,21 @@ def standings(w) -> tuple[list[tuple[str, float | None]], str]:
     return rows, f"{fastest} is fastest ({fast_ms:.4g} ms); nightshift is {w.tuned_ms / fast_ms:.2f}x slower than it"
 
 
+def weighted_totals(result: IntegrationResult) -> list[tuple[str, float | None]]:
+    """Per way of running the model (eager, nightshift, each torch.compile mode): the sum over
+    workloads of weight x time; None where a workload of weight > 0 was not timed that way.
+    With `--workloads TRACE.jsonl` the weights are the trace's calls of each shape, so this is
+    the device time the trace costs."""
+    rows = [w for w in result.workloads if w.weight > 0]
+    names = ["eager", "nightshift", *dict.fromkeys(n for w in rows for n in w.baselines)]
+    out = []
+    for name in names:
+        times = [dict(standings(w)[0]).get(name) for w in rows]
+        out.append((name, None if not rows or any(t is None for t in times) else
+                    sum(w.weight * t for w, t in zip(rows, times))))
+    return out
+
+
 def fmt_ms(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.4g}"
 
