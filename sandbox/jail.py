@@ -113,9 +113,28 @@ def hidden_paths(strong: list[Path]) -> tuple[list[str], list[str]]:
         if p.is_dir() and p not in (ROOT, Path.cwd().resolve()):
             hard.append(str(p))
         for git in (p / ".git", p.parent / ".git"):
-            if git.exists():
+            if git.is_dir():
                 hard.append(str(git.resolve()))
+            elif git.is_file():  # a worktree's or submodule's pointer: a tmpfs cannot cover a file
+                hard += _repository_of(git)
     return sorted(set(weak)), sorted(set(hard))
+
+
+def _repository_of(pointer: Path) -> list[str]:
+    """The git folders a `.git` file names (`gitdir: ...`, and a worktree's common folder)."""
+    try:
+        line = pointer.read_text().strip()
+    except OSError:
+        return []
+    if not line.startswith("gitdir:"):
+        return []
+    gitdir = (pointer.parent / line.removeprefix("gitdir:").strip()).resolve()
+    out = [str(gitdir)] if gitdir.is_dir() else []
+    common = gitdir / "commondir"
+    if common.is_file():
+        root = (gitdir / common.read_text().strip()).resolve()
+        out += [str(root)] if root.is_dir() else []
+    return out
 
 
 def python_paths() -> list[str]:
