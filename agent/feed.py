@@ -8,8 +8,10 @@ jobs will come: lanes drain what is queued, then end.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import deque
+from typing import Iterator
 
 from tools.trial import Candidate
 
@@ -62,3 +64,18 @@ class Feed:
         with self.changed:
             self.closed = True
             self.changed.notify_all()
+
+
+def results_of(results: queue.Queue, lanes: int, tick: float = 0.1) -> Iterator:
+    """What lane threads put in `results` (each puts None once, when it ends), until every lane
+    has ended; None whenever `tick` seconds pass without a result, so the caller can refill the feed."""
+    while lanes:
+        try:
+            item = results.get(timeout=tick)
+        except queue.Empty:
+            yield None
+            continue
+        if item is None:
+            lanes -= 1
+        else:
+            yield item

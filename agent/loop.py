@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -88,7 +88,7 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
     fed: dict[tuple[str, str, str], Job] = {}  # (region, hash, generation) -> job queued or running
     started: dict[tuple[str, str, str], int] = {}
     planning: Future | None = None
-    asked_at, came_back_empty = -1, False  # trials finished when the planner was last asked; and its answer
+    asked_at, came_back_empty = -1, False  # results in when the planner was last asked; whether it had nothing
 
     def plan() -> list[Candidate]:
         snapshot = history.snapshot()
@@ -166,13 +166,15 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                     stop(failure)
                     continue
                 planning, plans, came_back_empty = None, plans + bool(added), not added
-                if budget.stop_reason.startswith("candidate cap"):
-                    stop(budget.stop_reason)
-                elif came_back_empty and not fed and asked_at == len(history.trials):
-                    stopped, failure = _planner_stops(planner)
-                    stop(stopped or _exhausted(planner, [p for p in problems if budget.region_open(p.name)], history))
-            if planning is None and feed.waiting() < lanes and not (came_back_empty and asked_at == len(history.trials)):
-                planning, asked_at = _in_background(plan), len(history.trials)
+            # Nothing new, having seen every result so far: asked again only once another is in.
+            idle_planner = came_back_empty and asked_at == len(history.trials)
+            if budget.stop_reason.startswith("candidate cap"):
+                stop(budget.stop_reason)
+            elif idle_planner and not fed and planning is None:  # nothing queued or running could change its mind
+                stopped, failure = _planner_stops(planner)
+                stop(stopped or _exhausted(planner, [p for p in problems if budget.region_open(p.name)], history))
+            elif planning is None and feed.waiting() < lanes and not idle_planner:
+                planning, asked_at, came_back_empty = _in_background(plan), len(history.trials), False
     finally:
         for (region, digest, generation), n in started.items():  # a clean stop cut these short
             for _ in range(n):
@@ -196,15 +198,6 @@ def _in_background(fn: Callable[[], list[Candidate]]) -> Future:
 
     threading.Thread(target=run, daemon=True, name="nightshift-planner").start()
     return future
-
-
-def _result_unless_stopped(future: Future, should_stop: Callable[[], bool]) -> list[Candidate] | None:
-    while True:
-        try:
-            return future.result(timeout=0.25)
-        except FutureTimeout:
-            if should_stop():
-                return None
 
 
 def _give_up_on_interrupted(store, history: History) -> None:

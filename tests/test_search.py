@@ -9,6 +9,7 @@ ones. The genetic search is checked on its own against a synthetic fitness.
 from __future__ import annotations
 
 import itertools
+import queue
 import random
 import threading
 import time
@@ -17,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from agent.budget import Budget
+from agent.feed import results_of
 from agent.history import History
-from agent.loop import load_history, tune
+from agent.loop import tune
 from agent.planners.compiler import CompilerPlanner
 from agent.planners.genetic import Measured, Space, evolve
 from tools.problem import Problem, StopRule
@@ -42,7 +44,6 @@ class FakeLanes:
         self.tokens = itertools.count()
 
     def run(self, feed, budget, should_stop, on_start):
-        import queue
         results: queue.Queue = queue.Queue()
 
         def lane(i: int) -> None:
@@ -72,17 +73,7 @@ class FakeLanes:
 
         for i in self.runners:
             threading.Thread(target=lane, args=(i,), daemon=True).start()
-        live = len(self.runners)
-        while live:
-            try:
-                item = results.get(timeout=0.05)
-            except queue.Empty:
-                yield None
-                continue
-            if item is None:
-                live -= 1
-            else:
-                yield item
+        yield from results_of(results, len(self.runners))
 
 
 def fake_problem(name: str = REGION) -> Problem:

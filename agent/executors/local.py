@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from agent.budget import Budget
-from agent.feed import Feed
+from agent.feed import Feed, results_of
 from sandbox.client import WorkerConfig
 from sandbox.reference import ReferenceWorker
 from sandbox.runner import Limits, TrialRunner
@@ -139,7 +139,6 @@ class LocalExecutor:
         can refill the feed). Ends once the feed is closed and drained, the budget is spent, or
         `should_stop`. `on_start(candidate, generation)` is called from a lane's thread."""
         results: queue.Queue = queue.Queue()
-        live = len(self.lanes)
 
         def work(slot: Slot, runner: TrialRunner) -> None:
             try:
@@ -173,16 +172,7 @@ class LocalExecutor:
         threads = [threading.Thread(target=work, args=(s, r), daemon=True) for s, r in zip(self.lanes, self.runners)]
         for t in threads:
             t.start()
-        while live:
-            try:
-                item = results.get(timeout=0.1)
-            except queue.Empty:
-                yield None
-                continue
-            if item is None:
-                live -= 1
-            else:
-                yield item
+        yield from results_of(results, len(threads))
 
     def close(self) -> None:
         for r in self.runners:
