@@ -235,3 +235,8 @@ def test_the_genetic_search_walks_the_rest_of_a_space_before_saying_it_is_empty(
             seen.add(space.key(c.params))
             measured.append(Measured("x", c.params, 1.0 + c.params["a"]))
     assert len(seen) == space.size() == 5
+
+
+def test_a_space_with_a_parameter_of_no_values_is_refused_by_name():
+    with pytest.raises(ValueError, match="BLOCK_N without any value"):
+        Space.of({"BLOCK_N": (), "num_warps": (4,)})

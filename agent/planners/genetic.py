@@ -45,6 +45,10 @@ class Space:
 
     @classmethod
     def of(cls, axes: Mapping[str, Sequence], fits: Callable[[dict], bool] = _always) -> "Space":
+        empty = [k for k, v in axes.items() if not len(v)]
+        if empty:
+            raise ValueError(f"search space: parameter{'s' * (len(empty) > 1)} {', '.join(empty)} "
+                             "without any value to try")
         return cls(tuple((k, tuple(v)) for k, v in axes.items()), fits)
 
     @property
