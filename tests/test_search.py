@@ -111,14 +111,15 @@ def run_fake(tmp_path, planner, executor, rule: StopRule, problems=None, history
 
 # -- no barrier ------------------------------------------------------------------------------
 def test_a_slow_trial_holds_up_only_its_own_lane(tmp_path):
-    lanes = FakeLanes(3, seconds=lambda c: 3.0 if c.note == "slow" else 0.05)
+    lanes = FakeLanes(3, seconds=lambda c: 4.0 if c.note == "slow" else 0.05)
     planner = Numbered(40, note=lambda i: "slow" if i == 0 else f"fast{i}")
     outcome, _, _ = run_fake(tmp_path, planner, lanes, StopRule(max_candidates=1000, patience=1000))
     assert outcome.trials_run == 40 and outcome.stop_reason == "planners have nothing new to try"
     (slow,) = [(s, e) for note, s, e in lanes.log if note == "slow"]
     during = [note for note, s, e in lanes.log if note != "slow" and e <= slow[1]]
-    # With rounds of 2 x 3 lanes, at most five fast trials could finish while the slow one runs.
-    assert len(during) == 39, "the other lanes waited for the slow trial"
+    # With rounds of 2 x 3 lanes, at most five fast trials could finish while the slow one runs;
+    # without, the other two lanes do nearly all 39 (about 1 s of work) in its 4 s.
+    assert len(during) >= 30, f"the other lanes waited for the slow trial: {len(during)} finished meanwhile"
     # The planner was asked again and again while the slow trial ran, each time with new results.
     assert len(planner.asked) >= 5 and planner.asked == sorted(set(planner.asked))
 
