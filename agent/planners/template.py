@@ -64,8 +64,10 @@ class TemplatePlanner:
                 break
             offer(self.candidate(problem, t, b, default_params(t)))
         self._retune_llm_kernels(problem, history, rng, (n - len(out) + 1) // 2, offer)
-        spaces = self.spaces(problem, history)
         records = self._records(problem, history, arms)
+        judged = {self._arm_of(r) for r in records if self._finished(history, r)}
+        # An arm is searched once its default has been judged: it may compute another function.
+        spaces = {a: s for a, s in self.spaces(problem, history).items() if a in judged}
         gens = history.targets(problem.name)
         measured = [Measured(self._arm_of(r), r.params.get("tune", {}), r.score(gens), r.candidate_hash)
                     for r in records]
