@@ -21,7 +21,8 @@ template planner must beat), and reports from the run's store:
 - the best RMSNorm speedup and its A/A noise band.
 
 With `--repeat N` the RMSNorm bests are compared: they agree when their noise bands
-(speedup x (1 +- band)) overlap. A short table comes last.
+(speedup x (1 +- band)) overlap. Runs made earlier with the same `--out` are compared too, so
+three runs can be three calls (each within a device's time limit). A short table comes last.
 
 `--cpu` runs on the CPU with the small preset (LLAMA_PRESET=small, `--devices cpu`), to check the
 script itself: CPU timings say nothing about a GPU, and there is no nvidia-smi to sample.
@@ -157,8 +158,14 @@ def main() -> None:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
     out = args.out or ROOT / "runs" / "search_bench" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    results = [tune_once(out, f"run{i + 1}", args.gpu_hours, args.cpu, extra) for i in range(args.repeat)]
-    (out / "search_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    saved = out / "search_bench.json"
+    earlier = json.loads(saved.read_text()) if saved.is_file() else []
+    results = list(earlier)
+    for i in range(args.repeat):  # saved after each run: a later call with the same --out adds to them
+        results.append(tune_once(out, f"run{len(results) + 1}", args.gpu_hours, args.cpu, extra))
+        saved.write_text(json.dumps(results, indent=1, default=str))
+    if earlier:
+        print(f"\n{len(earlier)} earlier run(s) in {out} are compared too")
     for r in results:
         print(f"\n== {r['tag']}: {r['run']}\nstop: {r['stop']} ({r['kind']})\n"
               f"GPU-hours charged {r['gpu_hours']:.4f} of {r['cap']:g} ({r['gpu_hours'] / r['cap']:.0%}); "
@@ -168,7 +175,7 @@ def main() -> None:
         if r["rmsnorm"]:
             b = r["rmsnorm"]
             print(f"best {b['region']}: {b['speedup']:.2f}x (noise band +-{b['band']:.1%}), {b['template']} {b['params']}")
-    if args.repeat > 1:
+    if len(results) > 1:
         same, why = agreement(results)
         print(f"\nRMSNorm bests agree within their noise bands: {'yes' if same else 'NO'}: {why}")
     if args.cpu:
