@@ -1,26 +1,32 @@
-"""The search loop: propose a batch, verify and time it on idle devices, record, repeat.
+"""The search loop: devices pull candidates as soon as they are free; the planner refills the queue.
 
-    while budget and patience allow:
-        batch   = planner.propose(problem, history)    for every open region
-        trials  = executor.run(batch)                  verified, timed, in parallel
-        store.record(trial); history.add(trial)        on disk the moment each finishes
+    feed = queue of (candidate, generation) jobs              agent.feed: lanes take, the loop puts
+    for trial in executor.run(feed):                           every lane takes the next job when free
+        store.record(trial); history.add(trial)                on disk the moment each finishes
+        if the feed runs low: plan in the background           planner.propose for every open region,
+                                                               seeing every finished result
+        stop on budget, candidate cap, patience, or a search space exhausted
 
-Everything the loop needs comes in as arguments; it knows nothing of CLIs, templates or
-workers. Resume is the same loop over a store that already holds trials: finished
-(candidate, generation) pairs are never run again, and one the tuner died in again and again
-(`agent.history.MAX_TUNER_DEATHS`) is recorded `lost` instead of stopping every resume there.
-A planner that raises ends the run with that error as its stop reason, recorded as such.
+There are no rounds: a trial of minutes holds up its own lane only. Everything the loop needs
+comes in as arguments; it knows nothing of CLIs, templates or workers. Resume is the same loop
+over a store that already holds trials: finished (candidate, generation) pairs are never run
+again, a trial `lost` with its worker is queued again (up to `agent.history.MAX_LOST`), and one
+the tuner died in again and again (`MAX_TUNER_DEATHS`) is recorded `lost` instead of stopping
+every resume there. A planner that raises ends the run with that error as its stop reason. The
+planners having nothing new is an end only once nothing is in flight and they saw every result;
+then the stop reason says how much of their spaces was tried.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from agent.budget import Budget
+from agent.feed import Feed, Job
 from agent.history import MAX_TUNER_DEATHS, History
 from agent.planners import Planner, PlannerFailed
 from tools.problem import Problem
@@ -31,15 +37,19 @@ from tools.trial import Candidate, Status, Trial
 class Executor(Protocol):
     generations: list[str]
 
-    def run(self, jobs: list[tuple[Candidate, str, str]], budget: Budget, should_stop: Callable[[], bool],
-            on_start: Callable[[Candidate, str], None]) -> Iterator[Trial]: ...
+    def run(self, feed: Feed, budget: Budget, should_stop: Callable[[], bool],
+            on_start: Callable[[Candidate, str], None]) -> Iterator[Trial | None]:
+        """Trials as they finish, and None while none did; ends once the feed is closed and
+        drained, the budget is spent, or `should_stop`."""
+        ...
 
 
 @dataclass
 class Outcome:
     stop_reason: str
     trials_run: int
-    rounds: int
+    plans: int
+    """Times the planners' proposals fed the queue."""
     best: dict[str, float] = field(default_factory=dict)
     planner_failure: str = ""
     """Why the planners could propose nothing more, when that was a failure (an API that kept
@@ -62,27 +72,28 @@ def load_history(run: RunFolder, problems: list[Problem], generations: list[str]
 
 def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Executor, budget: Budget,
          history: History, on_trial: Callable[[Trial], None] = lambda t: None,
-         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2,
-         prefetch_at: float = 0.5) -> Outcome:
-    """Rounds until a stop rule fires. The next round is planned in the background once
-    `prefetch_at` of the current round has finished, so devices do not wait while a planner
-    (an LLM, say) thinks; that plan sees every result finished by then, and the candidates
-    still in flight as tried. A prefetched plan with nothing new is not the end: the planner
-    is asked once more with the whole round's results before the run stops as idle."""
+         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2) -> Outcome:
+    """Until a stop rule fires. The planner is asked again whenever fewer jobs wait than there
+    are lanes, so a lane never waits while a planner (an LLM, say) thinks; it sees every
+    result finished by then, and the jobs queued or running as tried."""
     store = run.store()
     store.event("session", pid=os.getpid())
     for rec in history.records.values():  # patience picks up where a resumed run left off
         budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
     _give_up_on_interrupted(store, history)
-    rounds = trials_run = 0
+    plans = trials_run = 0
     failure = ""
     lanes = max(1, len(getattr(executor, "runners", [])) or len(executor.generations))
+    feed = Feed(executor.generations)
+    fed: dict[tuple[str, str, str], Job] = {}  # (region, hash, generation) -> job queued or running
     started: dict[tuple[str, str, str], int] = {}
+    planning: Future | None = None
+    asked_at, came_back_empty = -1, False  # results in when the planner was last asked; whether it had nothing
 
     def plan() -> list[Candidate]:
         snapshot = history.snapshot()
         open_regions = [p for p in problems if budget.region_open(p.name)]
-        n = max(1, batch_per_device * lanes // max(1, len(open_regions)))
+        n = max(1, (batch_per_device * lanes - feed.waiting()) // max(1, len(open_regions)))
         out = []
         for p in open_regions:
             try:
@@ -93,58 +104,77 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                 raise PlannerFailed(planner.name, e) from e
         return out
 
+    def enqueue(candidates: list[Candidate]) -> int:
+        jobs = []
+        # Candidates already counted (tried on some generations, e.g. before a resume)
+        # finish their remaining generations without counting against the cap again.
+        known = [c for c in candidates if (c.region, c.hash) in history.records]
+        new = [c for c in candidates if (c.region, c.hash) not in history.records]
+        for c in known + new[: budget.admit(len(new))]:
+            path = str(run.save_candidate(c.source, c.hash))
+            jobs += [(c, g, path) for g in history.targets(c.region) if not history.done(c.region, c.hash, g)]
+        feed.put(jobs)
+        fed.update({(c.region, c.hash, g): (c, g, path) for c, g, path in jobs})
+        history.pending = {(r, d) for r, d, _ in fed}
+        return len(jobs)
+
+    def drop_closed_regions() -> None:  # patience ended their search: what is queued is not run
+        for p in problems:
+            if not budget.region_open(p.name):
+                for c, g, _ in feed.drop(p.name):
+                    fed.pop((c.region, c.hash, g), None)
+        history.pending = {(r, d) for r, d, _ in fed}
+
+    def stop(reason: str) -> None:  # what is queued and running finishes and is recorded; nothing new comes
+        budget.stop_reason = budget.stop_reason or reason
+        feed.close()
+
     def on_start(c: Candidate, generation: str) -> None:  # from executor threads; the store serializes
         key = (c.region, c.hash, generation)
         started[key] = started.get(key, 0) + 1
         store.event("start", region=c.region, candidate=c.hash, generation=generation)
 
     try:
-        upcoming, prefetched = _in_background(plan), False
-        while not should_stop():
-            if not any(budget.region_open(p.name) for p in problems):
-                budget.stop_reason = budget.stop_reason or "patience: no region improved for a while"
-                break
-            try:
-                proposed = _result_unless_stopped(upcoming, should_stop)
-                if proposed is None:  # stopped while a planner (an LLM call, say) was still thinking
-                    break
-                fresh = _unique(proposed, history)
-            except PlannerFailed as e:
-                store.event("planner_error", planner=e.planner, error=str(e), detail=e.detail)
-                budget.stop_reason = failure = str(e)
-                break
-            jobs = []
-            # Candidates already counted (tried on some generations, e.g. before a resume)
-            # finish their remaining generations without counting against the cap again.
-            known = [c for c in fresh if (c.region, c.hash) in history.records]
-            new = [c for c in fresh if (c.region, c.hash) not in history.records]
-            for c in known + new[: budget.admit(len(new))]:
-                path = str(run.save_candidate(c.source, c.hash))
-                jobs += [(c, g, path) for g in history.targets(c.region) if not history.done(c.region, c.hash, g)]
-            if not jobs and prefetched:  # planned before the last results: ask again with them
-                upcoming, prefetched = _in_background(plan), False
-                continue
-            if not jobs:
-                stopped, failure = _planner_stops(planner)
-                budget.stop_reason = budget.stop_reason or stopped or "planners have nothing new to try"
-                break
-            rounds += 1
-            upcoming, prefetched = None, False
-            history.pending = {(c.region, c.hash) for c, _, _ in jobs}
-            for done, trial in enumerate(executor.run(jobs, budget, should_stop, on_start), 1):
+        planning, asked_at = _in_background(plan), len(history.trials)
+        for trial in executor.run(feed, budget, should_stop, on_start):
+            if trial is not None:
+                key = (trial.region, trial.candidate_hash, trial.generation)
                 store.record(trial)
-                started.pop((trial.region, trial.candidate_hash, trial.generation), None)
+                started.pop(key, None)
                 rec = history.add(trial)
                 trials_run += 1
+                job = fed.pop(key, None)
+                if trial.status is Status.lost and job and not feed.closed and not history.done(*key):
+                    feed.put([job], front=True)  # the worker was lost, not the candidate: once more
+                    fed[key] = job
+                history.pending = {(r, d) for r, d, _ in fed}
                 if rec.kept(history.targets(rec.region)) or trial.ranked:
                     budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
                 on_trial(trial)
-                if upcoming is None and done >= prefetch_at * len(jobs) and done < len(jobs):
-                    upcoming, prefetched = _in_background(plan), True
-            history.pending = set()
-            upcoming = upcoming or _in_background(plan)
-            if budget.stop_reason.startswith("GPU-hours"):
-                break
+            if should_stop() or feed.closed:
+                continue
+            drop_closed_regions()
+            if not any(budget.region_open(p.name) for p in problems):
+                stop("patience: no region improved for a while")
+                continue
+            if planning is not None and planning.done():
+                try:
+                    added = enqueue(_unique(planning.result(), history))
+                except PlannerFailed as e:
+                    store.event("planner_error", planner=e.planner, error=str(e), detail=e.detail)
+                    failure = str(e)
+                    stop(failure)
+                    continue
+                planning, plans, came_back_empty = None, plans + bool(added), not added
+            # Nothing new, having seen every result so far: asked again only once another is in.
+            idle_planner = came_back_empty and asked_at == len(history.trials)
+            if budget.stop_reason.startswith("candidate cap"):
+                stop(budget.stop_reason)
+            elif idle_planner and not fed and planning is None:  # nothing queued or running could change its mind
+                stopped, failure = _planner_stops(planner)
+                stop(stopped or _exhausted(planner, [p for p in problems if budget.region_open(p.name)], history))
+            elif planning is None and feed.waiting() < lanes and not idle_planner:
+                planning, asked_at, came_back_empty = _in_background(plan), len(history.trials), False
     finally:
         for (region, digest, generation), n in started.items():  # a clean stop cut these short
             for _ in range(n):
@@ -152,7 +182,7 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         store.event("stop", reason=budget.stop_reason or "interrupted", trials=trials_run)
         store.close()
     best = {p.name: (b.score(history.targets(p.name)) if (b := history.best(p.name)) else 0.0) for p in problems}
-    return Outcome(budget.stop_reason or "interrupted", trials_run, rounds, best, failure)
+    return Outcome(budget.stop_reason or "interrupted", trials_run, plans, best, failure)
 
 
 def _in_background(fn: Callable[[], list[Candidate]]) -> Future:
@@ -168,15 +198,6 @@ def _in_background(fn: Callable[[], list[Candidate]]) -> Future:
 
     threading.Thread(target=run, daemon=True, name="nightshift-planner").start()
     return future
-
-
-def _result_unless_stopped(future: Future, should_stop: Callable[[], bool]) -> list[Candidate] | None:
-    while True:
-        try:
-            return future.result(timeout=0.25)
-        except FutureTimeout:
-            if should_stop():
-                return None
 
 
 def _give_up_on_interrupted(store, history: History) -> None:
@@ -213,3 +234,19 @@ def _planner_stops(planner: Planner) -> tuple[str, str]:
     failures = [getattr(p, "failure", "") or (str(failed[p.name]) if p.name in failed else "") for p in members]
     stops = [getattr(p, "stopped", "") or f for p, f in zip(members, failures)]
     return "; ".join(s for s in stops if s), "; ".join(failures) if all(failures) else ""
+
+
+def _exhausted(planner: Planner, problems: list[Problem], history: History) -> str:
+    """Why planners with nothing new stop: every space tried (with its size), where the planners
+    know their spaces; else just that."""
+    members = getattr(planner, "planners", [planner])
+    if not all(hasattr(p, "coverage") for p in members):
+        return "planners have nothing new to try"
+    tried = size = 0
+    for problem in problems:
+        for p in members:
+            t, s = p.coverage(problem, history)
+            tried, size = tried + t, size + s
+    if tried >= size:
+        return f"search space exhausted: {tried} of {size} candidates tried"
+    return f"planners have nothing new to try ({tried} of the {size} candidates of their spaces tried)"

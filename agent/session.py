@@ -76,7 +76,7 @@ class TuneResult:
     def summary(self) -> dict:
         from agent.integrate import summary as integration_summary
         data = {"run": str(self.run.path), "stop_reason": self.outcome.stop_reason, "trials": self.outcome.trials_run,
-                "rounds": self.outcome.rounds, "best_speedup": self.outcome.best,
+                "plans": self.outcome.plans, "best_speedup": self.outcome.best,
                 "report": str(self.report) if self.report else None, "gpu_seconds": self.gpu_seconds,
                 "timing_kind": self.timing_kind, "exit_code": self.exit_code, "log": str(self.run.log_path),
                 "planner_failure": self.outcome.planner_failure or None, "notes": self.notes,

@@ -197,7 +197,7 @@ def main() -> None:
                                                 "--max-candidates", str(cap_candidates), "--patience", NEVER,
                                                 *extra])
         row = {"n": n, "devices": devices, "run": str(run_dir), "stop": summary["stop_reason"],
-               "rounds": summary.get("rounds"), "tune_wall": wall,
+               "plans": summary.get("plans"), "tune_wall": wall,
                **analyze(run_dir, sorted(set(devices)), args.gpu_hours)}
         results.append(row)
         print(f"  N={n}: {row['trials']} trials in {row['search_wall']:.0f} s, stop: {row['stop']}", flush=True)
@@ -212,7 +212,7 @@ def main() -> None:
     # 3. Details, then the table last.
     for r in results:
         print(f"\n== N={r['n']} ({','.join(r['devices'])}): {r['run']}")
-        print(f"stop: {r['stop']}; rounds {r['rounds']}; agent tune {r['tune_wall']:.0f} s; statuses {r['statuses']}")
+        print(f"stop: {r['stop']}; plans {r['plans']}; agent tune {r['tune_wall']:.0f} s; statuses {r['statuses']}")
         print("busy share (verify+time / search wall): "
               + ", ".join(f"{d} {s:.0%}" for d, s in sorted(r["busy"].items())))
         if r["trial_s"]:

@@ -1,8 +1,8 @@
 """Local executor: one sandbox worker per idle device of this machine, run in parallel.
 
 Devices are grouped by hardware generation. Every candidate is queued once per target
-generation, and any idle device of that generation takes it, so N devices of a generation
-give N trials at a time. GPUs that already carry other people's work are left alone. The
+generation (`agent.feed.Feed`), and any free lane of that generation takes it at once, so N
+devices of a generation give N trials at a time, and a slow trial holds up only its own lane. GPUs that already carry other people's work are left alone. The
 CPU is a device when there is no GPU. Before each launch the budget is asked; a launch that
 would pass the GPU-hours cap waits for the trials in flight, and is not started if it
 still would once they have ended.
@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import torch
 
 from agent.budget import Budget
+from agent.feed import Feed, results_of
 from sandbox.client import WorkerConfig
 from sandbox.reference import ReferenceWorker
 from sandbox.runner import Limits, TrialRunner
@@ -131,24 +132,21 @@ class LocalExecutor:
     def generations(self) -> list[str]:
         return sorted({s.generation for s in self.slots})
 
-    def run(self, jobs: list[tuple[Candidate, str, str]], budget: Budget,
-            should_stop: Callable[[], bool] = lambda: False,
-            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial]:
-        """Run (candidate, generation, saved path) jobs; yields trials as they finish.
-        `on_start(candidate, generation)` is called from a worker thread as each one starts."""
-        queues: dict[str, queue.Queue] = {g: queue.Queue() for g in self.generations}
-        for job in jobs:
-            queues[job[1]].put(job)
+    def run(self, feed: Feed, budget: Budget, should_stop: Callable[[], bool] = lambda: False,
+            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial | None]:
+        """Every lane takes the next job of its generation from `feed` as soon as it is free;
+        yields trials as they finish, and None when none finished for a moment (so the caller
+        can refill the feed). Ends once the feed is closed and drained, the budget is spent, or
+        `should_stop`. `on_start(candidate, generation)` is called from a lane's thread."""
         results: queue.Queue = queue.Queue()
-        live = len(self.lanes)
 
         def work(slot: Slot, runner: TrialRunner) -> None:
             try:
-                while not should_stop():
-                    try:
-                        cand, gen, path = queues[slot.generation].get_nowait()
-                    except queue.Empty:
-                        return
+                while not should_stop() and not budget.exhausted and not feed.drained(slot.generation):
+                    job = feed.take(slot.generation, timeout=0.1)
+                    if job is None:
+                        continue
+                    cand, gen, path = job
                     token = next(self.tokens)
                     while not budget.try_launch(token, slot.device):
                         if budget.exhausted or should_stop():
@@ -174,12 +172,7 @@ class LocalExecutor:
         threads = [threading.Thread(target=work, args=(s, r), daemon=True) for s, r in zip(self.lanes, self.runners)]
         for t in threads:
             t.start()
-        while live:
-            item = results.get()
-            if item is None:
-                live -= 1
-            else:
-                yield item
+        yield from results_of(results, len(threads))
 
     def close(self) -> None:
         for r in self.runners:

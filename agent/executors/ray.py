@@ -18,8 +18,9 @@ A node serves generation `G` when it carries either
 
 Each worker actor is pinned to its node (node affinity, not soft), asks for `num_gpus=1` on
 GPU nodes (so Ray gives it its own `CUDA_VISIBLE_DEVICES`) and for one unit of `gen:G` (or a
-sliver, 0.001, of `accelerator_type:T`). The executor keeps one queue per generation; a job is
-(candidate, generation), and the loop makes one per target generation, so a candidate that
+sliver, 0.001, of `accelerator_type:T`). Jobs come from the loop's feed (`agent.feed.Feed`),
+one queue per generation; a job is (candidate, generation), and the loop makes one per target
+generation; an actor slot takes the next one the moment it is free, so a candidate that
 passes on one generation is run on every other target before the loop can keep it
 (`History.kept` needs all of them). A target generation with no actor in the cluster is a
 `ClusterError` before the first trial, never a silent skip.
@@ -41,9 +42,9 @@ return trials as JSON; the tuner process stays the only writer of the run's stor
 Faults
 ------
 An actor or node lost mid-trial (`RayActorError`, a node death) costs that trial only: it is
-returned as `lost` (charged the wall time it held the device) and run once more on another
-live actor of the same generation; a second loss is final. Dead actors leave the pool; the
-next round (`run` call) tops the pools up again from what the cluster offers. Every trial's
+returned as `lost` (charged the wall time it held the device), and the loop queues it once more,
+for another live actor of the same generation; a second loss is final. Dead actors leave the
+pool; the next session (`run` call) tops the pools up again from what the cluster offers. Every trial's
 `gpu_seconds` is the device time on its node (a device costs its wall time once however many
 sandbox workers share it), so `--gpu-hours` counts GPU time on every node. Resume needs
 nothing from the executor: the loop skips every (candidate, generation) in the store, except
@@ -55,12 +56,12 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from agent.budget import Budget
+from agent.feed import Feed, Job
 from sandbox.runner import Limits
 from tools.trial import Candidate, Status, Trial
 from agent.executors.ray_cluster import (  # noqa: F401  (PoolSlot: re-exported for callers)
@@ -80,17 +81,8 @@ class ActorRef:
 
 
 @dataclass
-class _Job:
-    candidate: Candidate
-    generation: str
-    path: str
-    attempt: int = 0
-    avoid: set = field(default_factory=set)
-
-
-@dataclass
 class _Flight:
-    job: _Job
+    job: Job
     actor: ActorRef
     token: int
     sent: float
@@ -201,22 +193,16 @@ class RayExecutor:
         return [a for a in self.actors if a.alive for _ in range(a.slots)]
 
     # -- running ---------------------------------------------------------------------------------
-    def run(self, jobs: list[tuple[Candidate, str, str]], budget: Budget,
-            should_stop: Callable[[], bool] = lambda: False,
-            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial]:
-        """Run (candidate, generation, saved path) jobs on the cluster; yields trials as they finish."""
+    def run(self, feed: Feed, budget: Budget, should_stop: Callable[[], bool] = lambda: False,
+            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial | None]:
+        """Every worker slot takes the next job of its generation from `feed` as soon as it is
+        free; yields trials as they finish, and None while none did (so the caller can refill
+        the feed). Ends once the feed is closed and drained, the budget is spent, or `should_stop`."""
         ray = self.ray
         self.stopping.clear()
-        self._top_up()  # replace actors lost in an earlier round, where the cluster still has room
-        self._check(sorted({g for _, g, _ in jobs}), self._live_pools(), started=True)
-        queues: dict[str, deque[_Job]] = {g: deque() for g in self.targets}
-        for cand, gen, path in jobs:
-            if gen not in queues:
-                raise ClusterError(f"job for generation {gen!r}, which is not a target of this executor "
-                                   f"({', '.join(self.targets)})")
-            queues[gen].append(_Job(cand, gen, path))
+        self._top_up()  # replace actors lost in an earlier session, where the cluster still has room
+        self._check(self.targets, self._live_pools(), started=True)
         flights: dict[Any, _Flight] = {}
-        launching = True
 
         def stopped() -> bool:
             return should_stop() or self.stopping.is_set()
@@ -228,31 +214,39 @@ class RayExecutor:
                     fl.actor.busy -= 1
                 busy = {id(fl.actor): fl.actor for fl in flights.values()}.values()
                 asked = [a.handle.interrupt.remote() for a in busy]
-                if asked:  # done before the next round can hand these actors new work
+                if asked:  # done before the next session can hand these actors new work
                     ray.wait(asked, num_returns=len(asked), timeout=30)
                 return
-            while launching:
-                job, actor = self._next(queues)
-                if job is None:
+            while not budget.exhausted:
+                generation, actor = self._next(feed)
+                if generation is None:
                     break
                 if actor is None:  # nobody left of that generation: the job is lost, not hung
-                    queues[job.generation].popleft()
-                    yield self._lost(job, None, time.time(), "no live worker of generation "
-                                     f"{job.generation} left in the cluster")
+                    job = feed.take(generation)
+                    if job:
+                        yield self._lost(job, None, time.time(), "no live worker of generation "
+                                         f"{generation} left in the cluster")
                     continue
                 token = next(self.tokens)
                 if not budget.try_launch(token, actor.label):
-                    launching = False  # until a trial in flight ends: it may make room
+                    break  # asked again once a trial in flight ends: it may make room
+                job = feed.take(generation)
+                if job is None:
+                    budget.cancel(token)
                     break
-                queues[job.generation].popleft()
-                on_start(job.candidate, job.generation)
+                on_start(job[0], generation)
                 actor.busy += 1
-                ref = actor.handle.run.remote(job.candidate.model_dump_json(), job.path)
+                ref = actor.handle.run.remote(job[0].model_dump_json(), job[2])
                 flights[ref] = _Flight(job, actor, token, time.time())
-            if not flights:
+            if not flights and (budget.exhausted or feed.drained()):
                 return
-            ready, _ = ray.wait(list(flights), num_returns=1, timeout=0.2)
-            launching = launching or (bool(ready) and not budget.exhausted)
+            if not flights:
+                time.sleep(0.1)
+                yield None
+                continue
+            ready, _ = ray.wait(list(flights), num_returns=1, timeout=0.1)
+            if not ready:
+                yield None
             for ref in ready:
                 fl = flights.pop(ref)
                 fl.actor.busy -= 1
@@ -260,43 +254,37 @@ class RayExecutor:
                     trial = Trial.model_validate_json(ray.get(ref))
                 except ray.exceptions.RayTaskError as e:  # our method raised: a harness bug
                     trial = self._lost(fl.job, fl.actor, fl.sent, f"harness error in the worker actor: {e}")
-                except ray.exceptions.RayError as e:  # the actor or its node is gone
+                except ray.exceptions.RayError as e:  # the actor or its node is gone; the loop runs it again
                     fl.actor.alive = False
-                    retry = fl.job.attempt == 0
-                    then = "retried on another worker" if retry else "not retried again"
                     trial = self._lost(fl.job, fl.actor, fl.sent,
-                                       f"worker actor {fl.actor.label} lost mid-trial ({type(e).__name__}); {then}")
-                    if retry:
-                        queues[fl.job.generation].appendleft(
-                            _Job(fl.job.candidate, fl.job.generation, fl.job.path, 1, fl.job.avoid | {id(fl.actor)}))
+                                       f"worker actor {fl.actor.label} lost mid-trial ({type(e).__name__})")
                 if stopped():
                     budget.cancel(fl.token)
                     continue
                 budget.finish(fl.token, trial)
                 yield trial
 
-    def _next(self, queues: dict[str, deque[_Job]]) -> tuple[_Job | None, ActorRef | None]:
-        """The first job that an idle actor can take, and that actor (least busy first); a job
-        whose generation has no live actor at all comes back with None."""
+    def _next(self, feed: Feed) -> tuple[str | None, ActorRef | None]:
+        """A generation with a job waiting that an idle actor can take, and that actor (least
+        busy first); a generation with jobs but no live actor at all comes back with None."""
         live = self._live_pools()
-        for g, q in queues.items():
-            if not q:
+        for g in self.targets:
+            if not feed.waiting(g):
                 continue
-            job = q[0]
-            ok = [a for a in live.get(g, []) if id(a) not in job.avoid]
-            if not ok:
-                return job, None
-            idle = [a for a in ok if a.busy < a.slots]
+            actors = live.get(g, [])
+            if not actors:
+                return g, None
+            idle = [a for a in actors if a.busy < a.slots]
             if idle:
-                return job, min(idle, key=lambda a: a.busy)
+                return g, min(idle, key=lambda a: a.busy)
         return None, None
 
-    def _lost(self, job: _Job, actor: ActorRef | None, sent: float, reason: str) -> Trial:
+    def _lost(self, job: Job, actor: ActorRef | None, sent: float, reason: str) -> Trial:
         now = time.time()
-        c = job.candidate
-        return Trial(region=c.region, candidate_hash=c.hash, candidate_path=job.path, planner=c.planner,
+        c, generation, path = job
+        return Trial(region=c.region, candidate_hash=c.hash, candidate_path=path, planner=c.planner,
                      template=c.template, params=c.params, status=Status.lost, reason=reason,
-                     device=actor.label if actor else "", generation=job.generation,
+                     device=actor.label if actor else "", generation=generation,
                      gpu_seconds=max(0.0, now - sent) if actor else 0.0, started_at=sent, finished_at=now)
 
     def interrupt(self) -> None:

@@ -15,8 +15,14 @@ class Planner(Protocol):
     name: str
 
     def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
-        """Up to n new candidates for `problem`, given everything tried so far."""
+        """Up to n new candidates for `problem`, given everything tried so far (and what is
+        queued or running, `history.pending`). Nothing new is an answer, not an end: the loop
+        asks again once more results are in."""
         ...
+
+    # Planners with a finite space (template, compiler) also have
+    #     coverage(problem, history) -> (candidates of the space tried, the space's size)
+    # so that a search that ends because nothing is new says how much of the space that was.
 
 
 class PlannerError(Exception):

@@ -6,19 +6,20 @@ choices: a mode (default, max-autotune without CUDA graphs, reduce-overhead wher
 has CUDA graphs) and a set of options that change the generated code (autotuning of GEMMs and
 pointwise kernels, coordinate-descent tuning of launch configurations, epilogue and aggressive
 fusion, persistent and split reductions, N-d tiling, block pointers, combo kernels). The first
-proposals are the modes and each option alone; after that a small genetic search over the
-option flags: the best kept points are parents, children flip one or two flags or take each
-flag from one of two parents. Everything is judged like any other candidate: verified against
+proposals are the modes and each option alone; after that the shared genetic search
+(`agent.planners.genetic`) over the option flags, whose fitness is the speedups measured: the
+best kept points are parents, children take each flag from one of two parents and flip one or
+two; once draws stop finding new points the rest of the flags' space is walked. Everything is judged like any other candidate: verified against
 the frozen reference, timed against the original.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 
 from agent.history import History
+from agent.planners.genetic import Measured, Space, evolve
 from agent.prompting import render_code
 from tools.problem import Problem
 from tools.trial import Candidate
@@ -43,6 +44,10 @@ def _point(mode: str | None, bits: tuple[int, ...]) -> tuple[str | None, dict]:
     return mode, {name: value for (name, value), on in zip(FLAGS, bits) if on}
 
 
+FLAG_SPACE = Space.of({name: (0, 1) for name, _ in FLAGS})
+"""Each option off (its default) or on (the value in `FLAGS`)."""
+
+
 class CompilerPlanner:
     name = "compiler"
 
@@ -51,8 +56,16 @@ class CompilerPlanner:
         # reduce-overhead captures CUDA graphs: only where the run's devices are GPUs.
         self.modes = MODES if "sm" in device or "gfx" in device or "cuda" in device else MODES[:2]
 
-    def space_size(self, problem: Problem) -> int:
-        return len(self.modes) + (2 ** len(FLAGS) - 1)
+    def space_size(self, problem: Problem, history: History | None = None) -> int:
+        return len(self.modes) + FLAG_SPACE.size() - 1  # mode None without options is the first mode
+
+    def coverage(self, problem: Problem, history: History) -> tuple[int, int]:
+        """(points of the space tried on every target generation, the space's size)."""
+        gens = history.targets(problem.name)
+        tried = {(r.params.get("mode"), self._bits(r.params.get("options", {})))
+                 for r in history.region_records(problem.name) if r.planner == self.name and "options" in r.params
+                 and all(history.done(problem.name, r.candidate_hash, g) for g in gens)}
+        return len(tried), self.space_size(problem)
 
     def candidate(self, problem: Problem, mode: str | None, options: dict, parents: list[str] = ()) -> Candidate:
         return Candidate(region=problem.name, planner=self.name, template="torch_compile",
@@ -63,43 +76,47 @@ class CompilerPlanner:
         rng = random.Random(f"{self.seed}/{problem.name}/{len(history.trials)}")
         out: dict[str, Candidate] = {}
 
-        def offer(mode, options, parents=()):
-            c = self.candidate(problem, mode, options, parents)
-            if c.hash not in out and not history.tried(problem.name, c.hash):
+        def offer(c: Candidate) -> None:
+            if len(out) < n and c.hash not in out and not history.tried(problem.name, c.hash):
                 out[c.hash] = c
 
         zero = (0,) * len(FLAGS)
         for mode in self.modes:  # the modes first: what a user of torch.compile would try
-            offer(*_point(mode, zero))
+            offer(self.candidate(problem, *_point(mode, zero)))
         for i in range(len(FLAGS)):  # then each option alone
-            offer(*_point(None, tuple(int(j == i) for j in range(len(FLAGS)))))
-        mine = [r for r in history.kept(problem.name) if r.planner == self.name and "options" in r.params]
-        parents = [self._bits(r.params["options"]) for r in mine[: self.parents]]
-        for _ in range(40 * n):
-            if len(out) >= n + len(self.modes) + len(FLAGS):
-                break
-            if parents:
-                a = rng.choices(parents, weights=[1 / (k + 1) for k in range(len(parents))])[0]
-                child = list(a)
-                if len(parents) > 1 and rng.random() < 0.3:
-                    b = rng.choice(parents)
-                    child = [rng.choice(pair) for pair in zip(a, b)]
-                for k in rng.sample(range(len(FLAGS)), rng.choice((1, 1, 2))):
-                    child[k] ^= 1
-                offer(*_point(None, tuple(child)), [r.candidate_hash for r in mine[:1]])
-            else:
-                offer(*_point(None, tuple(rng.randint(0, 1) for _ in FLAGS)))
-        fresh = [c for c in out.values() if not history.tried(problem.name, c.hash)]
-        return fresh[:n]
+            offer(self.candidate(problem, *_point(None, tuple(int(j == i) for j in range(len(FLAGS))))))
+        gens = history.targets(problem.name)
+        mine = [r for r in history.region_records(problem.name) if r.planner == self.name and "options" in r.params]
+        measured = [Measured("flags", self._flags(r.params["options"]), r.score(gens), r.candidate_hash)
+                    for r in mine if r.params.get("mode") is None]
+        known = {FLAG_SPACE.key(m.params): m.ref for m in measured}
+        made: dict[tuple, Candidate] = {}
+
+        def is_new(arm: str, flags: dict) -> bool:
+            key = FLAG_SPACE.key(flags)
+            if key in known:  # measured already: no need to render it to know
+                return not history.tried(problem.name, known[key])
+            made[key] = c = self.candidate(problem, *_point(None, key))
+            return c.hash not in out and not history.tried(problem.name, c.hash)
+
+        for child in evolve({"flags": FLAG_SPACE}, measured, is_new, n - len(out), rng, self.parents):
+            key = FLAG_SPACE.key(child.params)
+            c = made.get(key) or self.candidate(problem, *_point(None, key))
+            offer(c.model_copy(update={"parents": list(child.parents)}))
+        return list(out.values())[:n]
 
     @staticmethod
     def _bits(options: dict) -> tuple[int, ...]:
         return tuple(int(name in options) for name, _ in FLAGS)
 
+    @classmethod
+    def _flags(cls, options: dict) -> dict:
+        return dict(zip(FLAG_SPACE.names, cls._bits(options)))
+
 
 def all_points() -> list[tuple[str | None, dict]]:
     """Every point of the option space (for tests and the space's size)."""
-    return [_point(None, bits) for bits in itertools.product((0, 1), repeat=len(FLAGS))]
+    return [_point(None, FLAG_SPACE.key(p)) for p in FLAG_SPACE.points()]
 
 
 def describe(params: dict) -> str:

@@ -64,6 +64,31 @@ def default_params(template: KernelTemplate) -> dict:
     return {k: values[0] for k, values in template.space.items()}
 
 
+WIDEN_CAPS = {"BLOCK_M": 512, "BLOCK_N": 16384, "BLOCK_K": 1024, "BLOCK": 16384, "SPLIT_K": 64,
+              "HEADS": 32, "num_warps": 32, "num_stages": 8}
+"""Parameters a widened space extends at the top (larger tiles, more warps, deeper pipelines), and
+how far: past these Triton refuses to compile or no GPU has the registers."""
+MAX_WIDEN = 2
+
+
+def widen(space: dict[str, tuple], level: int) -> dict[str, tuple]:
+    """The space with `level` more values at the top of each parameter in `WIDEN_CAPS`: the next
+    power of two (block sizes, warps, split-K), or one more pipeline stage. Defaults stay first."""
+    out = dict(space)
+    for name, cap in WIDEN_CAPS.items():
+        values = list(out.get(name, ()))
+        if not values or not all(type(v) is int for v in values):
+            continue
+        for _ in range(level):
+            top = max(values)
+            nxt = top + 1 if name == "num_stages" else max(1, top * 2)
+            if nxt > cap:
+                break
+            values.append(nxt)
+        out[name] = tuple(values)
+    return out
+
+
 # -- spaces --------------------------------------------------------------------------------
 # BLOCK_N 0 means "the whole row in registers, one read of the input".
 ROW_SPACE = {"BLOCK_N": (0, 1024, 2048, 4096), "num_warps": (8, 4, 16, 2, 1)}

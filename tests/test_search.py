@@ -1,0 +1,243 @@
+"""The search without rounds and without running dry, on fake lanes: trials that take as long
+and measure as much as each test says, so scheduling and stop rules are seen in seconds.
+
+`FakeLanes` is the executor protocol of `agent.loop` with threads that sleep instead of
+running candidates; the loop, the feed, the budget, the store and the planners are the real
+ones. The genetic search is checked on its own against a synthetic fitness.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.budget import Budget
+from agent.feed import results_of
+from agent.history import History
+from agent.loop import tune
+from agent.planners.compiler import CompilerPlanner
+from agent.planners.genetic import Measured, Space, evolve
+from tools.problem import Problem, StopRule
+from tools.runfolder import RunFolder
+from tools.trial import Candidate, Status, Trial
+
+ROOT = Path(__file__).resolve().parent.parent
+REGION = "Region"
+
+
+class FakeLanes:
+    """`lanes` lanes of one generation; a trial takes `seconds(candidate)` and measures
+    `outcome(candidate)` -> (status, speedup)."""
+
+    generations = ["cpu"]
+
+    def __init__(self, lanes: int, seconds=lambda c: 0.0, outcome=lambda c: (Status.ok, 1.0)):
+        self.runners = list(range(lanes))
+        self.seconds, self.outcome = seconds, outcome
+        self.log: list[tuple[str, float, float]] = []  # (candidate, started, finished)
+        self.tokens = itertools.count()
+
+    def run(self, feed, budget, should_stop, on_start):
+        results: queue.Queue = queue.Queue()
+
+        def lane(i: int) -> None:
+            try:
+                while not should_stop() and not budget.exhausted and not feed.drained("cpu"):
+                    job = feed.take("cpu", timeout=0.05)
+                    if job is None:
+                        continue
+                    cand, gen, path = job
+                    token = next(self.tokens)
+                    if not budget.try_launch(token, f"lane{i}"):
+                        return
+                    on_start(cand, gen)
+                    start = time.time()
+                    time.sleep(self.seconds(cand))
+                    status, speedup = self.outcome(cand)
+                    trial = Trial(region=cand.region, candidate_hash=cand.hash, status=status, generation=gen,
+                                  planner=cand.planner, template=cand.template, params=cand.params,
+                                  device=f"lane{i}", candidate_path=path, speedup=speedup if status is Status.ok else None,
+                                  ranked=status is Status.ok, gpu_seconds=time.time() - start,
+                                  started_at=start, finished_at=time.time())
+                    self.log.append((cand.note or cand.hash, start, time.time()))
+                    budget.finish(token, trial)
+                    results.put(trial)
+            finally:
+                results.put(None)
+
+        for i in self.runners:
+            threading.Thread(target=lane, args=(i,), daemon=True).start()
+        yield from results_of(results, len(self.runners))
+
+
+def fake_problem(name: str = REGION) -> Problem:
+    return Problem.model_construct(name=name, target_generations=[], region_class="Fake", device="cpu")
+
+
+class Numbered:
+    """Proposes `count` numbered candidates (or forever), and records what it saw each time asked."""
+
+    name = "numbered"
+
+    def __init__(self, count: int | None = None, note=lambda i: f"c{i}"):
+        self.count, self.note, self.next = count, note, 0
+        self.asked: list[int] = []
+
+    def propose(self, problem, history, n):
+        self.asked.append(len(history.trials))
+        out = []
+        while len(out) < n and (self.count is None or self.next < self.count):
+            out.append(Candidate(region=problem.name, source=f"# {self.next}\n", planner=self.name,
+                                 note=self.note(self.next)))
+            self.next += 1
+        return out
+
+
+def run_fake(tmp_path, planner, executor, rule: StopRule, problems=None, history=None):
+    run = RunFolder(tmp_path / "run")
+    run.path.mkdir(parents=True, exist_ok=True)
+    problems = problems or [fake_problem()]
+    history = history or History({p.name: ["cpu"] for p in problems})
+    budget = Budget(rule)
+    outcome = tune(run, problems, planner, executor, budget, history)
+    return outcome, budget, history
+
+
+# -- no barrier ------------------------------------------------------------------------------
+def test_a_slow_trial_holds_up_only_its_own_lane(tmp_path):
+    lanes = FakeLanes(3, seconds=lambda c: 4.0 if c.note == "slow" else 0.05)
+    planner = Numbered(40, note=lambda i: "slow" if i == 0 else f"fast{i}")
+    outcome, _, _ = run_fake(tmp_path, planner, lanes, StopRule(max_candidates=1000, patience=1000))
+    assert outcome.trials_run == 40 and outcome.stop_reason == "planners have nothing new to try"
+    (slow,) = [(s, e) for note, s, e in lanes.log if note == "slow"]
+    during = [note for note, s, e in lanes.log if note != "slow" and e <= slow[1]]
+    # With rounds of 2 x 3 lanes, at most five fast trials could finish while the slow one runs;
+    # without, the other two lanes do nearly all 39 (about 1 s of work) in its 4 s.
+    assert len(during) >= 30, f"the other lanes waited for the slow trial: {len(during)} finished meanwhile"
+    # The planner was asked again and again while the slow trial ran, each time with new results.
+    assert len(planner.asked) >= 5 and planner.asked == sorted(set(planner.asked))
+
+
+# -- stop reasons ----------------------------------------------------------------------------
+def test_a_real_space_is_tried_to_the_end_and_its_size_is_the_stop_reason(tmp_path):
+    planner = CompilerPlanner(device="cpu")
+    bits = lambda c: len(c.params.get("options", {}))  # noqa: E731 - a synthetic fitness
+    lanes = FakeLanes(4, outcome=lambda c: (Status.ok, 1.0 + 0.1 * bits(c)))
+    size = planner.space_size(fake_problem())
+    assert size == 2 + 2 ** 10 - 1
+    outcome, _, history = run_fake(tmp_path, planner, lanes, StopRule(max_candidates=5000, patience=5000))
+    assert outcome.stop_reason == f"search space exhausted: {size} of {size} candidates tried"
+    assert outcome.trials_run == size == len(history.records)  # every point once, none twice
+    assert outcome.best[REGION] == pytest.approx(2.0)  # all ten options on
+
+
+def test_patience_and_the_candidate_cap_stop_a_search_that_has_more_to_try(tmp_path):
+    same = FakeLanes(2, outcome=lambda c: (Status.ok, 1.0))
+    outcome, budget, _ = run_fake(tmp_path / "a", CompilerPlanner(device="cpu"), same,
+                                  StopRule(max_candidates=5000, patience=6))
+    assert outcome.stop_reason.startswith("patience") and 6 <= outcome.trials_run <= 6 + 2 * 2
+    better = FakeLanes(2, outcome=lambda c: (Status.ok, 1.0 + len(c.params.get("options", {}))))
+    outcome, budget, _ = run_fake(tmp_path / "b", CompilerPlanner(device="cpu"), better,
+                                  StopRule(max_candidates=30, patience=5000))
+    assert outcome.stop_reason == "candidate cap: 30 candidates tried" and outcome.trials_run == 30
+
+
+def test_planners_without_a_known_space_stop_as_having_nothing_new(tmp_path):
+    outcome, _, _ = run_fake(tmp_path, Numbered(5), FakeLanes(2), StopRule(max_candidates=100, patience=100))
+    assert outcome.stop_reason == "planners have nothing new to try" and outcome.trials_run == 5
+
+
+# -- the template planner widens while it trails -----------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_problem(tmp_path_factory) -> Problem:
+    from agent.jobs import profile_and_freeze
+    res = profile_and_freeze(ROOT / "tests" / "models" / "tiny_rmsnorm.py", "cpu", None,
+                             tmp_path_factory.mktemp("tiny"))
+    return res.problems[0]
+
+
+def _with_baseline(speedup: float) -> History:
+    """A history where torch.compile reached `speedup` on the region."""
+    history = History({"RMSNorm": ["cpu"]})
+    history.add(Trial(region="RMSNorm", candidate_hash="compiled", status=Status.ok, generation="cpu",
+                      planner="compiler", template="torch_compile", params={"mode": None, "options": {}},
+                      speedup=speedup, ranked=True))
+    return history
+
+
+@pytest.mark.parametrize("template_speedup, widened", [(1.5, True), (3.0, False)])
+def test_the_template_space_widens_while_its_best_trails_the_compiler(tmp_path, tiny_problem, template_speedup,
+                                                                     widened):
+    from agent.planners.library import MAX_WIDEN, TEMPLATES, widen
+    from agent.planners.template import TemplatePlanner
+    planner = TemplatePlanner()
+    # RMSNorm's arm computes the function; LayerNorm's does not, so its arm is not searched.
+    lanes = FakeLanes(3, outcome=lambda c: (Status.wrong, None) if c.template == "layernorm"
+                      else (Status.ok, template_speedup))
+    outcome, _, history = run_fake(tmp_path, planner, lanes, StopRule(max_candidates=5000, patience=5000),
+                                   problems=[tiny_problem], history=_with_baseline(2.0))
+    tried, size = planner.coverage(tiny_problem, history)
+    assert outcome.stop_reason == f"search space exhausted: {size} of {size} candidates tried"
+    assert outcome.trials_run == len(history.records) - 1  # every candidate once (and the baseline)
+    rmsnorm = TEMPLATES["rmsnorm"]
+    searched = Space.of(widen(rmsnorm.space, MAX_WIDEN if widened else 0), rmsnorm.fits).size()
+    layernorm = [r for r in history.records.values() if r.template == "layernorm"]
+    assert tried == size == searched + len(layernorm)
+    assert searched > Space.of(rmsnorm.space, rmsnorm.fits).size() if widened else searched == 20
+    tiles = {r.params["tune"]["BLOCK_N"] for r in history.records.values() if r.template == "rmsnorm"}
+    assert (8192 in tiles) is widened  # larger tiles than the template's own range, only while it trails
+
+
+# -- the genetic search ----------------------------------------------------------------------
+SPACE = Space.of({f"p{i}": tuple(range(8)) for i in range(5)})  # 32768 points
+PEAK = {"p0": 5, "p1": 2, "p2": 7, "p3": 3, "p4": 6}
+
+
+def fitness(p: dict) -> float:
+    return 1.0 + sum(7 - abs(p[k] - v) for k, v in PEAK.items())
+
+
+def _search(seed: int, rounds: int = 25, n: int = 8, strategy: str = "ga") -> tuple[list[dict], float]:
+    rng, seen, measured = random.Random(seed), set(), []
+    for _ in range(rounds):
+        if strategy == "ga":
+            children = [c.params for c in evolve({"a": SPACE}, measured, lambda a, p: SPACE.key(p) not in seen,
+                                                 n, rng)]
+        else:
+            children = [SPACE.sample(rng) for _ in range(n)]
+        for p in children:
+            if strategy == "ga":
+                assert SPACE.key(p) not in seen, "proposed a point already measured"
+            seen.add(SPACE.key(p))
+            measured.append(Measured("a", p, fitness(p)))
+    return [m.params for m in measured], max(m.fitness for m in measured)
+
+
+def test_the_genetic_search_proposes_only_unseen_points_and_climbs_a_synthetic_fitness():
+    points, best = _search(seed=1)
+    assert len({SPACE.key(p) for p in points}) == len(points) == 200
+    first = max(fitness(p) for p in points[:8])
+    _, random_best = _search(seed=1, strategy="random")
+    assert best > first and best > random_best and best >= fitness(PEAK) - 2  # near the peak
+    assert _search(seed=1)[0] == points  # seeded: the same history gives the same proposals
+
+
+def test_the_genetic_search_walks_the_rest_of_a_space_before_saying_it_is_empty():
+    space = Space.of({"a": (1, 2, 3), "b": (True, False)}, fits=lambda p: not (p["a"] == 3 and p["b"]))
+    rng, seen, measured = random.Random(0), set(), []
+    while batch := evolve({"x": space}, measured, lambda a, p: space.key(p) not in seen, 2, rng):
+        for c in batch:
+            seen.add(space.key(c.params))
+            measured.append(Measured("x", c.params, 1.0 + c.params["a"]))
+    assert len(seen) == space.size() == 5
+
+
+def test_a_space_with_a_parameter_of_no_values_is_refused_by_name():
+    with pytest.raises(ValueError, match="BLOCK_N without any value"):
+        Space.of({"BLOCK_N": (), "num_warps": (4,)})
