@@ -16,7 +16,7 @@ from typing import Callable
 
 from agent.budget import Budget
 from agent.errors import UserError
-from agent.executors.local import LocalExecutor, parse_devices
+from agent.executors.local import BUSY_NOTE, LocalExecutor, parse_devices
 from agent.jobs import check_model_unchanged
 from agent.loop import Outcome, load_history, tune
 from agent.planners import PlannerError, make_planner
@@ -85,10 +85,10 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
             raise UserError(str(e)) from None
         executor, generations = None, sorted({s.generation for s in slots})
         if devices is None and slots and all(s.device == "cpu" for s in slots) \
-                and any(p.device != "cpu" for p in problems) and any("left alone" in n for n in notes):
+                and any(p.device != "cpu" for p in problems) and any(BUSY_NOTE in n for n in notes):
             # Every GPU is busy: CPU trials of GPU-frozen problems would compare against another
             # device's references at CPU speed all night. Say so now rather than waste the night.
-            raise UserError("no idle GPU (" + "; ".join(n for n in notes if "left alone" in n) + ") and the "
+            raise UserError("no idle GPU (" + "; ".join(n for n in notes if BUSY_NOTE in n) + ") and the "
                             "problems were frozen on a GPU. Free it, share it with --devices cuda:0, or run "
                             "CPU trials on purpose with --devices cpu")
     try:

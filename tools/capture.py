@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tools.footprint import Admission, DoesNotFit
 from tools.graph import region_facts, signature_facts
 from tools.inplace import inplace_paths
-from tools.modelfile import LoadedModel, file_sha256, inplace_names, tensors_in
+from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, tensors_in
 from tools.problem import (Problem, ProblemError, StopRule, TensorSpec, Tolerance, Workload, default_tolerance,
                            file_hash, tensor_hash)
 from tools.recording import record_calls
@@ -52,16 +52,6 @@ class RegionChoice:
 class Skipped:
     class_name: str
     reason: str
-
-
-def _detach_cpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detach_cpu(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _detach_cpu(v) for k, v in x.items()}
-    return x
 
 
 def instances_of(model: torch.nn.Module, class_name: str) -> list[str]:
@@ -245,11 +235,11 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         for w in loaded.workloads:
             if hasattr(w, "restore"):
                 w.restore()  # a KV cache starts as the workload made it, not as the last forward left it
-            input_set = {"args": _detach_cpu(list(w.inputs)), "kwargs": {}}
+            input_set = {"args": host_copy(list(w.inputs)), "kwargs": {}}
             leaves, structure = flatten(loaded.model(*w.inputs))
             if structure.startswith("?") or "?" in structure:
                 raise ValueError(f"the model returns something other than tensors ({structure}) on {w.name!r}")
-            outs = [_detach_cpu(t) for t in leaves]
+            outs = [host_copy(t) for t in leaves]
             floats = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
             if not floats:
                 raise ValueError(f"the model has no floating-point output to compare on {w.name!r}")

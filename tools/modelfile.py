@@ -232,13 +232,14 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _host_copy(obj: Any) -> Any:
+def host_copy(obj: Any) -> Any:
+    """Tensors in a nested list/tuple/dict, detached and copied to the host."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(x) for x in obj)
+        return type(obj)(host_copy(x) for x in obj)
     if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
+        return {k: host_copy(v) for k, v in obj.items()}
     return obj
 
 
@@ -292,7 +293,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
                     f"{path}: workload {w.name!r} makes inputs on {t.device}, but the run is on "
                     f"{device}; create inputs on the CPU (they are moved for you)")
         if inplace_names(type(model)):
-            w.pristine = _host_copy(w.inputs)
+            w.pristine = host_copy(w.inputs)
         w.inputs = to_device(w.inputs, device)
     if model_devices - {device} and any(d.type != device.type for d in model_devices):
         raise ModelFileError(f"{path}: the model keeps tensors on {sorted(map(str, model_devices))} "

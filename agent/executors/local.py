@@ -31,6 +31,10 @@ BUSY_MEMORY_BYTES = 2 << 30
 OWN_CONTEXT_BYTES = 1 << 30
 
 
+BUSY_NOTE = "left alone"
+"""How a GPU skipped for other work's memory is named in the notes (run_tune reads it)."""
+
+
 @dataclass
 class Slot:
     device: str
@@ -64,7 +68,7 @@ def parse_devices(spec: str | None) -> tuple[list[Slot], list[str]]:
             # Our own process (profiling, references) is not "other people's work".
             others = total - free - torch.cuda.memory_reserved(i) - OWN_CONTEXT_BYTES
             if others > BUSY_MEMORY_BYTES:
-                notes.append(f"cuda:{i} left alone: {others / 2**30:.1f} GiB in use by other work")
+                notes.append(f"cuda:{i} {BUSY_NOTE}: {others / 2**30:.1f} GiB in use by other work")
                 continue
             slots.append(Slot(f"cuda:{i}", _generation(f"cuda:{i}")))
         if slots:
