@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Several benches back to back on one device lease, started detached (setsid) so the GPU keeps
+# working across the device tool's 10-minute command limit; later calls only wait and collect.
+#
+#   setsid nohup bash bench/gpu_session.sh /tmp/res STEPS_FILE </dev/null >/tmp/res.out 2>&1 &
+#
+# STEPS_FILE: one step per line, "name limit_s command ...", run in order from a copy of the
+# checkout (the device tool re-sends the checkout on each call; a running bench must not see its
+# files change underneath it). Each step's output: RESULTS/name.log; the timeline:
+# RESULTS/progress.log. `collect` packs what is small enough to come back into one archive.
+set -u
+res=${1:?results folder}
+if [ "${2:-}" = collect ]; then
+    cd "$res" && find . -path ./repo -prune -o -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' \
+        -o -name '*.md' -o -name '*.txt' \) -size -4M -print | tar czf "${3:?archive}" -T -
+    exit
+fi
+steps=${2:?steps file}
+mkdir -p "$res"
+rm -rf "$res/repo" && cp -a "$(dirname "$0")/.." "$res/repo" && cd "$res/repo" || exit 1
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+while read -r name limit cmd; do
+    [ -z "$name" ] || [ "${name#\#}" != "$name" ] && continue
+    echo "[$(date +%T)] start $name (limit ${limit}s): $cmd" >>"$res/progress.log"
+    t0=$(date +%s)
+    # timeout signals the step's whole process group: a killed bench takes its workers along.
+    timeout -k 15 "$limit" bash -c "$cmd" >"$res/$name.log" 2>&1 </dev/null
+    rc=$?
+    echo "[$(date +%T)] end $name rc=$rc after $(( $(date +%s) - t0 ))s" >>"$res/progress.log"
+done <"$steps"
+echo "[$(date +%T)] all steps done" >>"$res/progress.log"
