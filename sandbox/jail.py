@@ -142,8 +142,15 @@ def python_paths() -> list[str]:
     paths |= {p for p in sys.path if p and os.path.isdir(p)}
     # Editable installs of the harness itself: only its packages, never the whole checkout.
     paths |= {str(ROOT / pkg) for pkg in ("sandbox", "tools") if (ROOT / pkg).is_dir()}
-    # Never the checkout or the tuner's cwd as a whole (python -m puts the cwd on sys.path).
-    drop = {os.path.realpath(str(ROOT)), os.path.realpath(os.getcwd())}
+    # Never the checkout or the tuner's cwd as a whole (python -m puts the cwd on sys.path), nor
+    # the folder of the script that runs the tuner (python script.py puts it there: a script in
+    # the home folder would show the whole of it), nor a hidden root itself (/tmp bound back
+    # read-only also leaves the jail no working folder).
+    drop = {os.path.realpath(str(ROOT)), os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))}
+    drop |= {os.path.realpath(h) for h in HIDDEN_ALWAYS}
+    script = sys.argv[0] if sys.argv else ""
+    if script and os.path.isfile(script):
+        drop.add(os.path.dirname(os.path.realpath(script)))
     return sorted({os.path.realpath(p) for p in paths} - drop)
 
 

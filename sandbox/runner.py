@@ -35,7 +35,8 @@ class Limits:
     """All verification runs together."""
     time_s: float = 300.0
     budget_ms: float = 400.0
-    """Target device time for timing one workload (baseline and candidate together)."""
+    """Target time for timing one workload (baseline and candidate together, the harness's work
+    around the calls included)."""
     max_reps: int = 200
     retime_above: float = 10.0
     """Speedups above this are timed again and flagged."""

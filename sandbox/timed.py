@@ -2,12 +2,14 @@
 
 Per workload, under the device lock:
 
-    warm-up: a few repetitions of each side (sizes the runs)
-    for each round (the order alternates, so drift hits both sides alike):
+    warm-up: a few repetitions of each side (sizes the runs by what a repetition costs)
+    for each round:
         the original, in the reference worker          -> its samples are trusted
         the candidate, in its worker, on the same fresh inputs; the tuner's own clock around it
         one repetition picked at random AFTER the run: its output, copied when it was timed,
             against the original's on the same inputs (the reference worker computes it)
+        the first round (every round for a whole model): the original in the candidate's
+            worker, the A/A across the two processes
 
 - Both runs do the same work around their calls (inputs, flushes, output copies, checksums,
   one device sleep of the same length), so the original's run, whose numbers are trusted,
@@ -125,9 +127,12 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     ref, cand = r.reference, r.worker
     n = _elements(lp, i)
     s = seed()
-    wb, _ = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
-    wc, _ = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
-    est = statistics.median(_samples(wb)) + statistics.median(_samples(wc))
+    wb, wall_wb = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
+    wc, wall_wc = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
+    # One repetition of both sides costs the tuner's clock its calls plus the harness around them
+    # (fresh inputs, copies, checksums): with small calls the harness is most of it, and a budget
+    # sized by the calls alone would cost many times itself.
+    est = max(statistics.median(_samples(wb)) + statistics.median(_samples(wc)), (wall_wb + wall_wc) / WARMUP_REPS)
     rounds = max(2, lim.rounds)
     reps = int(max(MIN_REPS, min(lim.max_reps, budget_ms / rounds / max(est, 1e-3))))
     # One lead for both sides, in device cycles of the reference worker's calibration, so the
@@ -150,27 +155,39 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         parent.append(per_call)
         _spot_check(r, lp, i, s, reps)
         _tamper(r)
-        if k == 0:  # A/A across the two processes: the original in the candidate's worker
+        if k == 0 or p.is_whole_model:
+            # A/A across the two processes: the original in the candidate's worker. A whole model
+            # gets one every round: its host-bound workloads move most from process to process
+            # (on the H200 one control saw the candidate's worker 27% slower on the same code).
             ctl, _ = _batch(cand, {**req, "control": True}, lim.time_s)
             aa.append(timing.stats(_samples(ctl)).median_ms / max(timing.stats(base_runs[-1]).median_ms, 1e-9))
     base = timing.stats([x for run in base_runs for x in run])
     cnd = timing.stats([x for run in cand_runs for x in run])
     medians = [timing.stats(run).median_ms for run in base_runs]
     kind = wb.header.get("timing_kind", "cpu")
-    # A/A: how far each side's runs move against themselves, and the original across the two
-    # processes: the widest bounds what a ratio of their medians can show without a real change.
     cand_medians = [timing.stats(run).median_ms for run in cand_runs]
-    # ...and how far the paired ratio itself moves from round to round (load that hits one
-    # process and not the other shows there first).
-    ratios = [c / b for c, b in zip(cand_medians, medians) if b > 0]
-    band = max(timing.noise_band(medians, kind), timing.noise_band(cand_medians, kind),
-               timing.noise_band(ratios, kind) if len(ratios) >= 2 else 0.0,
-               *[abs(math.log(x)) for x in aa if x > 0 and math.isfinite(x)])
+    band = ab_band(medians, cand_medians, aa, kind)
     return WorkloadTiming(workload=name, baseline_ms=base.median_ms, candidate_ms=cnd.median_ms,
                           baseline_spread=base.spread, candidate_spread=cnd.spread, reps=cnd.reps,
                           speedup=base.median_ms / max(cnd.median_ms, 1e-9), timing_kind=kind,
                           noise_band=band, parent_ms=statistics.median(parent),
                           baseline_runs=medians)
+
+
+def ab_band(base_medians: list[float], cand_medians: list[float], controls: list[float], kind: str) -> float:
+    """The A/A noise band of one workload: how far each side's runs move against themselves,
+    how far their paired ratio moves from round to round (load that hits one process and not
+    the other shows there first), and the original across the two processes (`controls`: its
+    median in the candidate's worker over the reference worker's). A control shows an offset
+    between the processes that the candidate's ratio carries too, plus that ratio's own noise:
+    the widest control, counted as the verdict reads it (`faster` above 1 + band, `slower` below
+    1 / (1 + band): x or 1/x, less one), plus the ratio's spread. Controls only widen the band,
+    so a candidate that disturbs its own worker's control cannot buy itself a win."""
+    ratios = [c / b for c, b in zip(cand_medians, base_medians) if b > 0]
+    spread = timing.noise_band(ratios, kind) if len(ratios) >= 2 else 0.0
+    cross = max([max(x, 1.0 / x) - 1.0 for x in controls if x > 0 and math.isfinite(x)], default=0.0)
+    return max(timing.noise_band(base_medians, kind), timing.noise_band(cand_medians, kind), spread,
+               cross + spread if cross else 0.0)
 
 
 def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply", wall_b: float, lead: float,

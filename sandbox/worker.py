@@ -367,15 +367,17 @@ def main() -> None:
     report["limits"] = isolation.limit_resources(mem)
     sock = socket.socket(fileno=args.fd)
     import torch
-    # Imported before any integrity snapshot: importing them wraps torch functions (dynamo wraps
-    # manual_seed), and the harness itself triggers dynamo's import (use_deterministic_algorithms).
-    import torch._dynamo  # noqa: F401
     import torch.utils.deterministic  # noqa: F401
-    try:  # what torch.compile installs on its first compile (it wraps Module.__init__), installed now
-        from torch._dynamo.mutation_guard import install_generation_tagging_init
-        install_generation_tagging_init()
-    except ImportError:
-        pass
+    if args.role == "candidate":
+        # Imported before any integrity snapshot: an honest candidate may use torch.compile, and
+        # importing dynamo wraps torch functions (manual_seed). The reference worker never runs a
+        # candidate, so it is spared the import (seconds of every start).
+        import torch._dynamo  # noqa: F401
+        try:  # what torch.compile installs on its first compile (it wraps Module.__init__), installed now
+            from torch._dynamo.mutation_guard import install_generation_tagging_init
+            install_generation_tagging_init()
+        except ImportError:
+            pass
     hello = {"op": "hello", "pid": os.getpid(), "isolation": report, "device": args.device, "role": args.role,
              "torch": torch.__version__}
     if args.device == "cuda":

@@ -28,13 +28,17 @@ class fill_uninitialized:
     SENTINEL = 7777.0
 
     def __init__(self, torch, nan: bool):
-        self.torch, self.nan, self.mode = torch, nan, None
+        self.torch, self.nan, self.mode, self.before = torch, nan, None, None
 
     def __enter__(self):
         torch = self.torch
         if self.nan:
             warnings.filterwarnings("ignore")
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            # The C switch itself: torch.use_deterministic_algorithms also sets inductor's config,
+            # importing torch._dynamo (seconds of a worker's start, and it wraps torch functions).
+            self.before = (torch.are_deterministic_algorithms_enabled(),
+                           torch.is_deterministic_algorithms_warn_only_enabled())
+            torch._C._set_deterministic_algorithms(True, warn_only=True)
             torch.utils.deterministic.fill_uninitialized_memory = True
             return
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,7 +59,8 @@ class fill_uninitialized:
 
     def __exit__(self, *exc):
         if self.nan:
-            self.torch.use_deterministic_algorithms(False)
+            mode, warn_only = self.before
+            self.torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
         elif self.mode is not None:
             self.mode.__exit__(*exc)
 

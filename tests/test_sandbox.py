@@ -164,7 +164,10 @@ def test_harness_survives_crashes_and_still_verifies_and_times(runner):
 def test_worker_environment_is_scrubbed():
     from sandbox.isolation import worker_env
     env = worker_env({"PATH": "/bin", "OPENAI_API_KEY": "x", "TRITON_CACHE_DIR": "/c", "AWS_SECRET_ACCESS_KEY": "y",
-                      "TORCH_AUTH_TOKEN": "z", "HF_TOKEN": "t"}, "/tmp/w", None)
+                      "TORCH_AUTH_TOKEN": "z", "HF_TOKEN": "t", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"},
+                     "/tmp/w", None)
     assert env["PATH"] == "/bin" and env["TRITON_CACHE_DIR"] == "/c" and env["HOME"] == "/tmp/w"
+    # inductor's cache is the worker's own, never the tuner's (which the worker may not write)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/w/torchinductor"
     assert not {"OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "TORCH_AUTH_TOKEN", "HF_TOKEN"} & set(env)
     assert env["CUDA_VISIBLE_DEVICES"] == ""

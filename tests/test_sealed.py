@@ -62,6 +62,27 @@ def test_the_jail_hides_homes_runs_and_git_and_keeps_python(tmp_path):
     assert iso.kind == "bubblewrap" and inside == jail.WORKDIR
 
 
+def test_the_folder_of_the_tuners_script_and_hidden_roots_are_not_bound_back(tmp_path, monkeypatch):
+    """`python ~/tune.py` puts the home folder on sys.path, `python /tmp/x.py` puts /tmp: binding
+    either back would show the candidate the whole folder (its secrets), and /tmp bound back
+    read-only leaves the jail no working folder (bwrap: Can't mkdir /tmp/ns-worker)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "secret.env").write_text("KEY=1")
+    script = home / "tune.py"
+    script.write_text("pass\n")
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    monkeypatch.setattr(sys, "path", [str(home), "/tmp", *sys.path])
+    paths = jail.python_paths()
+    assert str(home.resolve()) not in paths and "/tmp" not in paths
+    probe = f"import os, torch; print(os.path.exists({str(home / 'secret.env')!r}), os.getcwd())"
+    argv, iso, inside = jail.wrap([sys.executable, "-c", probe], hide=[], model_files=[], gpu=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", jail.WORKDIR]
+
+
 def test_integrity_sees_code_swaps_dispatcher_overrides_hooks_and_global_flags():
     classes = [torch.nn.LayerNorm]
     before = integrity.snapshot(classes, ["aten::rsqrt"])

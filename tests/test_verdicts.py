@@ -171,3 +171,20 @@ def test_tune_with_cheats_among_good_candidates_keeps_only_the_good_ones(tmp_pat
     assert by_note["honest"].candidate_hash in report
     for name in cheats:
         assert f"candidates/{by_note[name].candidate_hash}.py" not in report.split("## ")[0]
+
+
+def test_a_cross_process_offset_is_inside_the_band_as_the_verdict_reads_it():
+    """Measured on the H200 (A/A of the untouched example, small_batch, host-bound): the original
+    ran 27% slower in the candidate's worker than in the reference worker (the control), and
+    the 'candidate', the same code, came out at the same ratio. The band held the control in
+    log units (0.24), the verdict reads 1 / (1 + band): it said "slower". The control counts as
+    the verdict reads it, plus the ratio's own spread; a real 2x with a clean control is still
+    faster."""
+    from sandbox.timed import ab_band
+    from tools.trial import verdict
+    band = ab_band([2.30, 2.31, 2.29], [2.93, 2.92, 2.94], [1.272], "cuda")
+    assert verdict(2.30 / 2.93, band) == "no change", band
+    assert verdict(2.93 / 2.30, band) == "no change", band
+    clean = ab_band([1.00, 1.01, 0.99], [0.50, 0.50, 0.51], [1.01], "cuda")
+    assert clean < 0.1 and verdict(2.0, clean) == "faster", clean
+    assert ab_band([1.0, 1.0], [1.0, 1.0], [], "cuda") < 0.05
