@@ -9,6 +9,7 @@ start a fresh one on the next request). A reply is a claim: it must echo the req
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -176,6 +177,31 @@ class Worker:
                 pass
         return out
 
+    @contextlib.contextmanager
+    def frozen(self):
+        """Every process of this worker stopped while the block runs (SIGSTOP, then SIGCONT):
+        the original is timed in the reference worker meanwhile, and a candidate idle in its own
+        worker could otherwise load the machine only then, slowing the baseline it is compared
+        with. Work it already queued on a GPU is beyond a signal's reach."""
+        stopped: list[int] = []
+        try:
+            for pid in sorted(self.members() - {os.getpid()}):
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + 0.5
+            while any(not _stopped(pid) for pid in stopped) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            yield
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
     def log_tail(self, n: int = 2000) -> str:
         try:
             return Path(self.tmpdir, "stdout.log").read_bytes()[-n:].decode(errors="replace")
@@ -234,6 +260,14 @@ def _pids() -> list[int]:
         return [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return []
+
+
+def _stopped(pid: int) -> bool:
+    """Stopped, or gone (a process that exited is not running either)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _readlink(path: str) -> str:

@@ -25,6 +25,21 @@ ENV_ALLOW = re.compile(
 SECRET_HINT = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
+# What the worker's own environment says about where it is and what it may use: a model file
+# that read these at freeze time read the tuner's values (its home, its /tmp, its caches), which
+# inside the jail are hidden or not writable.
+HARNESS_OWNED = re.compile(
+    r"^(HOME|TMPDIR|TMP|TEMP|USER|LOGNAME|PWD|OLDPWD|SHELL|PATH|LD_LIBRARY_PATH|LD_PRELOAD|PYTHON[A-Z_]*|"
+    r"CUDA_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|NIGHTSHIFT_[A-Z_]+|XDG_[A-Z_]+|"
+    r"TORCHINDUCTOR_CACHE_DIR|TRITON_CACHE_DIR|TRITON_HOME|TORCH_HOME|HF_HOME|HF_[A-Z_]*CACHE[A-Z_]*)$")
+
+
+def model_settings(env: dict[str, str]) -> dict[str, str]:
+    """The variables a model file read at freeze time, as the worker applies them: its settings
+    (LLAMA_PRESET), never a name the harness owns."""
+    return {k: str(v) for k, v in env.items() if isinstance(k, str) and not HARNESS_OWNED.match(k)}
+
+
 def worker_env(base: dict[str, str], workdir: str, visible_device: str | None) -> dict[str, str]:
     env = {k: v for k, v in base.items() if ENV_ALLOW.match(k) and not SECRET_HINT.search(k)}
     env.update(HOME=workdir, TMPDIR=workdir, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",

@@ -25,6 +25,7 @@ Per workload, under the device lock:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import statistics
@@ -95,10 +96,13 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
     return out
 
 
-def _batch(worker: Any, req: dict, timeout: float) -> tuple["Reply", float]:
-    t0 = time.monotonic()
-    reply = worker.request({"op": "batch", **req}, timeout=timeout)
-    wall_ms = (time.monotonic() - t0) * 1e3
+def _batch(worker: Any, req: dict, timeout: float, frozen: Any = None) -> tuple["Reply", float]:
+    """One timed run in `worker`; `frozen`: the candidate's worker, stopped meanwhile (the
+    original's runs: nothing the candidate left running competes with them)."""
+    with frozen.frozen() if frozen is not None else contextlib.nullcontext():
+        t0 = time.monotonic()
+        reply = worker.request({"op": "batch", **req}, timeout=timeout)
+        wall_ms = (time.monotonic() - t0) * 1e3
     if not reply.ok:
         raise Refused("crash", reply.error, reply)
     return reply, wall_ms
@@ -127,7 +131,8 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     ref, cand = r.reference, r.worker
     n = _elements(lp, i)
     s = seed()
-    wb, wall_wb = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
+    wb, wall_wb = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s,
+                         cand)
     wc, wall_wc = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
     # One repetition of both sides costs the tuner's clock its calls plus the harness around them
     # (fresh inputs, copies, checksums): with small calls the harness is most of it, and a budget
@@ -148,7 +153,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     for k in range(rounds):
         s = seed()
         req = {"set": i, "seed": s, "reps": reps, "key_len": n, "lead_cycles": lead * cycles}
-        rb, wall_b = _batch(ref, {"problem": p.name, **req}, lim.time_s)
+        rb, wall_b = _batch(ref, {"problem": p.name, **req}, lim.time_s, cand)
         base_runs.append(_samples(rb))
         samples, per_call, lead = _candidate_run(r, lp, req, rb, wall_b, lead, cycles)
         cand_runs.append(samples)
@@ -235,7 +240,7 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             # the ratio includes the harness on both sides and is never better than the truth.
             if lead != lead_b:
                 rb, wall_b = _batch(r.reference, {"problem": lp.problem.name, **req, "lead_cycles": lead * cycles},
-                                    lim.time_s)
+                                    lim.time_s, r.worker)
                 b_samples = _samples(rb)
             r.last_checksums = [float(x) for x in sums]
             r.phases["host_bound"] = min(r.phases.get("host_bound", 1.0), claimed / max(bound, 1e-9))

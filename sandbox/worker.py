@@ -101,7 +101,7 @@ class Worker:
             state = torch.load(f, weights_only=True, map_location="cpu")
         with os.fdopen(fds[2], "rb") as f:
             model_source = f.read()
-        os.environ.update({k: str(v) for k, v in (req.get("env") or {}).items()})
+        os.environ.update(isolation.model_settings(req.get("env") or {}))
         region = build_region(self._model_copy(req["model_file"], model_source), req["region_path"], state,
                               self.device)
         del state

@@ -128,6 +128,9 @@ def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_
         runner.limits = limits
     assert trial.status.value in expected(path), (trial.status, trial.reason, trial.error_text[-800:])
     assert trial.status is Status.ok or not trial.ranked
+    if "NOT_A_WIN" in path.read_text():  # right answers, and a speed that is not its own
+        assert not trial.win, (trial.speedup, trial.noise_band, [(t.workload, t.speedup, t.noise_band)
+                                                                 for t in trial.timings])
     # Whatever it tried: no secret in what comes back, and nothing it started outlives its trial.
     text = trial.model_dump_json()
     assert "sk-ant" not in text
@@ -161,6 +164,32 @@ def test_harness_survives_crashes_and_still_verifies_and_times(runner):
     assert trial.speedup is not None and trial.ranked
 
 
+def test_the_candidates_worker_is_stopped_while_the_original_is_timed(runner, monkeypatch):
+    """A candidate idle in its worker could load the machine exactly while its baseline is timed
+    in the reference worker (tests/candidates/adversarial/slows_the_original_when_idle.py): every
+    process of the candidate's worker is stopped (state T) for each of the original's timed runs,
+    and running again for its own."""
+    from pathlib import Path as P
+    states: dict[str, list[set[str]]] = {"reference": [], "candidate": []}
+
+    def seen() -> set[str]:
+        return {P(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in runner.worker.members()}
+
+    for side, obj in (("reference", runner.reference), ("candidate", runner.worker)):
+        original = obj.request
+
+        def spy(msg, *a, _original=original, _side=side, **k):
+            if msg.get("op") == "batch" and not msg.get("control"):
+                states[_side].append(seen())
+            return _original(msg, *a, **k)
+        monkeypatch.setattr(obj, "request", spy)
+    own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+    trial = runner.run(Candidate(region="LlamaRMSNorm", source=own))
+    assert trial.status is Status.ok, trial.reason
+    assert states["reference"] and all(s == {"T"} for s in states["reference"]), states["reference"]
+    assert states["candidate"] and all("T" not in s for s in states["candidate"]), states["candidate"]
+
+
 def test_worker_environment_is_scrubbed():
     from sandbox.isolation import worker_env
     env = worker_env({"PATH": "/bin", "OPENAI_API_KEY": "x", "TRITON_CACHE_DIR": "/c", "AWS_SECRET_ACCESS_KEY": "y",
@@ -169,5 +198,11 @@ def test_worker_environment_is_scrubbed():
     assert env["PATH"] == "/bin" and env["TRITON_CACHE_DIR"] == "/c" and env["HOME"] == "/tmp/w"
     # inductor's cache is the worker's own, never the tuner's (which the worker may not write)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/w/torchinductor"
+    # ...also when the model file read the tuner's at freeze time (transformers' import does):
+    # the settings a model read reach the worker, the names the harness owns do not
+    from sandbox.isolation import model_settings
+    assert model_settings({"LLAMA_PRESET": "small", "HOME": "/root", "TMPDIR": "/tmp",
+                           "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root", "XDG_CACHE_HOME": "/root/.cache",
+                           "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": "/x"}) == {"LLAMA_PRESET": "small"}
     assert not {"OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "TORCH_AUTH_TOKEN", "HF_TOKEN"} & set(env)
     assert env["CUDA_VISIBLE_DEVICES"] == ""
