@@ -154,11 +154,17 @@ def test_the_run_folder_and_model_file_are_byte_identical_after_the_suite(untouc
 def test_harness_survives_crashes_and_still_verifies_and_times(runner):
     crash = Candidate(region="LlamaRMSNorm", source="import os\ndef forward(m, x):\n    os._exit(1)\n")
     assert runner.run(crash).status is Status.crash
+    # A Triton kernel verified after the crash (under the interpreter: timing it would take a
+    # minute of CI and say nothing about speed), then a plain-torch rewrite verified and timed.
     good = (HERE / "candidates" / "rmsnorm_triton.py").read_text()
-    trial = runner.run(Candidate(region="LlamaRMSNorm", source=good))
+    trial = runner.run(Candidate(region="LlamaRMSNorm", source=good), do_time=False)
     assert trial.status is Status.ok, trial.reason
     assert trial.error is not None and trial.error <= 1e-4
     assert trial.fresh_error is not None and trial.fresh_error <= 1e-4
+    rewrite = ("import torch\n\ndef forward(module, x):\n    v = x.float().pow(2).mean(-1, keepdim=True)\n"
+               "    return module.weight * (x.float() * torch.rsqrt(v + module.eps)).to(x.dtype)\n")
+    trial = runner.run(Candidate(region="LlamaRMSNorm", source=rewrite))
+    assert trial.status is Status.ok, trial.reason
     assert {t.workload for t in trial.timings} == {"prefill", "decode", "long_prefill", "small_batch"}
     assert all(t.timing_kind == "cpu" and t.baseline_ms > 0 and t.candidate_ms > 0 for t in trial.timings)
     assert trial.speedup is not None and trial.ranked
