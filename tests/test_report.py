@@ -178,11 +178,36 @@ def write_integration(run: Path) -> None:
     IntegrationResult(
         device="cpu", device_name="host CPU", generation="cpu", timing_kind="cpu",
         accepted=[AcceptedRegion(region="RMSNorm", candidate_hash="0" * 16, candidate_path="x.py", region_speedup=1.3)],
+        noise_band=0.05,
         workloads=[WorkloadResult(name="default", eager_ms=2.0, tuned_ms=1.6, speedup=1.25, error=2e-6,
-                                  tolerance="abs 0.0001",
+                                  tolerance="abs 0.0001", noise_band=0.05, verdict="faster",
                                   baselines={"torch.compile": 1.5, "max-autotune-no-cudagraphs": 1.4,
                                              "reduce-overhead": None})],
         baseline_errors={"reduce-overhead": "needs CUDA graphs"}).save(run)
+
+
+def test_an_unchanged_model_reads_no_change_and_no_winner_is_crowned():
+    """The H200's A/A of the untouched example (small batch 1.11x inside a ±36.7% band) once
+    read "nightshift is fastest, 1.11x ahead of eager" in report.md."""
+    from types import SimpleNamespace
+
+    from agent.report.markdown import _md_integration
+    from agent.report.numbers import standings
+    from tools.e2e import IntegrationResult, WorkloadResult
+    quiet = WorkloadResult(name="small_batch", eager_ms=2.591, tuned_ms=2.324, speedup=1.115, noise_band=0.367,
+                           verdict="no change", tolerance="abs 0.1", error=0.0)
+    res = IntegrationResult(device="cuda:0", timing_kind="cuda", noise_band=0.367, workloads=[quiet])
+    md = "\n".join(_md_integration(SimpleNamespace(integration=res, integration_error=None)))
+    assert "no change (inside the A/A noise band of ±36.7%)" in md and "1.11x (no change, band ±36.7%)" in md
+    assert "nightshift is fastest" not in md and "nightshift and eager tie within the noise band (±36.7%)" in md
+    # Beyond the band the sentence still names the winner, and a baseline inside the band ties.
+    fast = quiet.model_copy(update={"tuned_ms": 1.0, "speedup": 2.591, "noise_band": 0.05, "verdict": "faster",
+                                    "baselines": {"torch.compile": 1.03, "reduce-overhead": 1.5}})
+    assert standings(fast)[1] == "nightshift and torch.compile tie within the noise band (±5.0%)"
+    assert standings(fast.model_copy(update={"baselines": {"reduce-overhead": 1.5}}))[1] == \
+        "nightshift is fastest, 1.50x ahead of reduce-overhead"
+    assert standings(fast.model_copy(update={"baselines": {"reduce-overhead": 0.5}}))[1] == \
+        "reduce-overhead is fastest (0.5 ms); nightshift is 2.00x slower than it"
 
 
 def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
@@ -193,6 +218,7 @@ def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
         (tuned / "integration.json").unlink()
     md = (tuned / "report.md").read_text()
     assert "**1.25x** end to end" in md and "| default | 2 | 1.6 | 1.5 | 1.4 | failed |" in md
+    assert "faster (beyond the A/A noise band of ±5.0%)" in md and "| 1.25x (faster, band ±5.0%) |" in md
 
     dom, urls, png = render(chromium, tuned / "report.html", tmp_path / "profile")
     (tmp_path / "report.png").write_bytes(png)
@@ -210,7 +236,7 @@ def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
 
     # Summary first: the end-to-end speedup, honest standings against torch.compile, costs.
     summary = dom[dom.index('id="summary"'):dom.index('id="progress"')]
-    assert "1.25x" in summary and "end-to-end speedup, weighted (CPU timing)" in summary
+    assert "1.25x" in summary and "end-to-end speedup, weighted, A/A noise band ±5.0% (CPU timing)" in summary
     assert "max-autotune-no-cudagraphs is fastest (1.4 ms); nightshift is 1.14x slower than it" in summary
     assert "failed: needs CUDA graphs" in summary
     assert "trials run" in summary and "$0.00" in summary and "device-hours on the CPU" in summary

@@ -13,9 +13,10 @@ from pygments.lexers import PythonLexer
 from pygments.styles import get_style_by_name
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import (device_time, e2e_speedup, fmt_err, fmt_params, fmt_ms, standings, tidy,
+from agent.report.numbers import (device_time, e2e_speedup, fmt_err, fmt_params, fmt_ms, fmt_speedup, standings, tidy,
                                   weighted_totals, within)
 from agent.report.plots import plots
+from tools.trial import verdict as band_verdict
 
 MAX_DIFF_LINES = 600
 CSS = """
@@ -119,8 +120,10 @@ def _summary(data: ReportData) -> list[str]:
     res, trials = data.integration, data.history.trials
     spent = device_time(data.gpu_seconds, data.cpu_only)
     sp = e2e_speedup(res) if res else None
-    e2e = f"{sp:.2f}x" if sp else "not yet"
-    e2e_key = ("end-to-end speedup, weighted" + (" (CPU timing)" if res.timing_kind == "cpu" else "")) if res else \
+    said = band_verdict(sp, res.noise_band or 0.0) if sp else ""
+    e2e = (f"{sp:.2f}x" if said != "no change" else f"no change ({sp:.2f}x)") if sp else "not yet"
+    e2e_key = ("end-to-end speedup, weighted" + (f", A/A noise band ±{res.noise_band or 0.0:.1%}" if sp else "")
+               + (" (CPU timing)" if res.timing_kind == "cpu" else "")) if res else \
         "end to end: integration has not run yet"
     outside = [w.name for w in res.workloads if within(w.error, w.tolerance) is False] if res else []
     if outside:
@@ -141,7 +144,7 @@ def _summary(data: ReportData) -> list[str]:
                f"{escape(res.generation or '?')}; {kind})</h3>")
     unit = "CPU ms" if res.timing_kind == "cpu" else "ms"
     rows = [[escape(w.name), escape(res.generation or "?"), f"{w.weight:g}", fmt_ms(w.eager_ms), fmt_ms(w.tuned_ms),
-             "-" if w.speedup is None else f"<b>{w.speedup:.2f}x</b>", _err(w.error, w.tolerance)] for w in res.workloads]
+             "-" if w.speedup is None else f"<b>{escape(fmt_speedup(w))}</b>", _err(w.error, w.tolerance)] for w in res.workloads]
     out.append(_table(["workload", "generation", "weight", f"eager {unit}", f"tuned {unit}", "speedup",
                        "error / tolerance"], rows, {2, 3, 4, 5}))
     names = list(dict.fromkeys(n for w in res.workloads for n in w.baselines))

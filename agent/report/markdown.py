@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import (device_time, e2e_speedup, fmt_err, fmt_ms, fmt_params, standings, tidy,
+from agent.report.numbers import (device_time, e2e_headline, fmt_err, fmt_ms, fmt_params, fmt_speedup, standings, tidy,
                                   weighted_totals, within)
 
 
@@ -56,16 +56,15 @@ def _md_integration(data: ReportData) -> list[str]:
         return [data.integration_error or "Integration has not run yet: no end-to-end numbers for this run."]
     kind = "CPU timings, not GPU numbers" if res.timing_kind == "cpu" else "GPU timings"
     unit = "CPU ms" if res.timing_kind == "cpu" else "ms"
-    sp = e2e_speedup(res)
     L = [f"On {res.device_name or res.device} (generation {res.generation or '?'}; {kind}): "
-         + (f"**{sp:.2f}x** end to end, weighted over workloads." if sp else "no end-to-end speedup measured.")
+         + e2e_headline(res)
          + "".join(f" The error is OUTSIDE the tolerance on {w.name}." for w in res.workloads
                    if within(w.error, w.tolerance) is False), "",
          f"| workload | generation | eager {unit} | tuned {unit} | speedup | error / tolerance | fastest |",
          "|---|---|---|---|---|---|---|"]
     for w in res.workloads:
         L.append(f"| {w.name} | {res.generation or '?'} | {fmt_ms(w.eager_ms)} | {fmt_ms(w.tuned_ms)} | "
-                 f"{'-' if w.speedup is None else f'{w.speedup:.2f}x'} | {fmt_err(w.error, w.tolerance)} | "
+                 f"{fmt_speedup(w)} | {fmt_err(w.error, w.tolerance)} | "
                  f"{standings(w)[1]} |")
     names = list(dict.fromkeys(n for w in res.workloads for n in w.baselines))
     if names:

@@ -6,6 +6,7 @@ import math
 import re
 
 from tools.e2e import IntegrationResult
+from tools.trial import verdict
 
 _LONG_FLOAT = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d{4,}(?:[eE][-+]?\d+)?|\d+(?:\.\d+)?[eE][-+]?\d+)(?![\w.])")
 
@@ -34,15 +35,38 @@ def within(error: float | None, tolerance: str) -> bool | None:
     return None if error is None else (math.isfinite(error) and error <= bound)
 
 
+def fmt_speedup(w) -> str:
+    """A workload's end-to-end speedup with what it means against its A/A noise band."""
+    if w.speedup is None:
+        return "-"
+    return f"{w.speedup:.2f}x ({w.verdict or verdict(w.speedup, w.noise_band)}, band ±{w.noise_band:.1%})"
+
+
+def e2e_headline(result: IntegrationResult) -> str:
+    """The weighted end-to-end speedup, and `no change` when it lies inside the weighted band."""
+    sp, band = e2e_speedup(result), result.noise_band or 0.0
+    if not sp:
+        return "no end-to-end speedup measured."
+    said = verdict(sp, band)
+    return (f"**{sp:.2f}x** end to end, weighted over workloads: {said} "
+            f"({'inside' if said == 'no change' else 'beyond'} the A/A noise band of ±{band:.1%}).")
+
+
 def standings(w) -> tuple[list[tuple[str, float | None]], str]:
     """Every way of running one workload (eager, nightshift, each torch.compile mode) with its
-    time, and one honest sentence on which is fastest."""
+    time, and one honest sentence on which is fastest. Two ways closer than the workload's A/A
+    noise band are a tie: the sentence never crowns noise."""
     rows = [("eager", w.eager_ms), ("nightshift", w.tuned_ms), *w.baselines.items()]
     timed = sorted((ms, name) for name, ms in rows if ms is not None and ms > 0)
     if not timed:
         return rows, "nothing was timed"
     (fast_ms, fastest), others = timed[0], timed[1:]
-    if fastest == "nightshift":
+    band = max(0.0, w.noise_band or 0.0)
+    ties = [name for ms, name in others if ms <= fast_ms * (1 + band)]
+    if fastest == "nightshift" or "nightshift" in ties:
+        pack = [fastest, *ties] if fastest != "nightshift" else ["nightshift", *ties]
+        if len(pack) > 1:
+            return rows, f"{' and '.join(dict.fromkeys(pack))} tie within the noise band (±{band:.1%})"
         nxt = f", {others[0][0] / fast_ms:.2f}x ahead of {others[0][1]}" if others else ""
         return rows, f"nightshift is fastest{nxt}"
     if w.tuned_ms is None:
