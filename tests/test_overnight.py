@@ -31,9 +31,12 @@ def agent(*args, timeout: float = 300, **extra) -> subprocess.CompletedProcess:
 
 
 def start(log: Path, *args, prefix: tuple = (), **extra) -> subprocess.Popen:
+    """The tuner as a terminal would start it: hangups at their default even when these tests run
+    under nohup (which the tuner honours by leaving SIGHUP ignored)."""
     with open(log, "w") as f:
         return subprocess.Popen([*prefix, sys.executable, "-m", "agent", *map(str, args)], cwd=ROOT, env=env(**extra),
-                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def trials_in(run: Path) -> int:
