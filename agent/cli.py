@@ -108,6 +108,10 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Profile a model, print its hotspots, and freeze the top regions as problems."""
+    from agent.flags import check_freeze_flags
+    check_freeze_flags(model, runs_dir, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
+                       region_tolerance=region_tolerance, max_regions=max_regions, coverage=coverage,
+                       freeze_problems=freeze)
     from agent.jobs import native_stderr_without, profile_and_freeze
     from tools.profiler import render_hotspots, torch_profiler_table
     res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
@@ -139,6 +143,9 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
          device: Optional[str] = typer.Option(None, help="cuda, cuda:N or cpu (default: the freeze device)."),
          json_out: bool = typer.Option(False, "--json", help="The verdict as JSON (what coding agents read).")):
     """Verify and time one candidate in the sandbox; exit 0 if it passed, 1 if rejected."""
+    from tools.runfolder import RunFolder
+    if (target / "run.json").is_file():  # a damaged run is named before torch's import, as by try_candidate
+        RunFolder.open(target).check_store()
     from agent.jobs import try_candidate
     from agent.view import trial_lines
     trial = try_candidate(target, candidate, region, device)
@@ -193,7 +200,6 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     """The main job: profile, freeze problems, search until the budget runs out, report. Progress
     goes to runs/<run>/log.txt, and to stdout: a live table on a terminal, one line per trial
     otherwise."""
-    from agent.integrate import render
     from agent.session import TuneRequest, tune_session
     given = {"planner": planner, "llm_model": llm_model, "base_url": base_url, "devices": devices,
              "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
@@ -210,6 +216,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         _emit_json(result.summary())
     else:
         if result.integration is not None and not isinstance(result.integration, str):
+            from agent.integrate import render
             out.print()
             out.print(render(result.integration))
         _say(f"\nstopped: {result.outcome.stop_reason}. report: {result.report}")
@@ -226,11 +233,11 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
                                                         "GPUs, not on the CPU, where they are slow to compile)."),
                json_out: bool = typer.Option(False, "--json", help="integration.json on stdout.")):
     """Apply the winners to the whole model, check it against the frozen model outputs, time it."""
-    from agent.integrate import IntegrationError, integrate, render
     from agent.session import cuda_run
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
     folder.check_store()
+    from agent.integrate import IntegrationError, integrate, render
     want = baselines if baselines is not None else (
         (device or "").startswith("cuda") or (not device and cuda_run(folder)))
     try:

@@ -6,7 +6,6 @@ arguments, prints and sets the exit code.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from contextlib import contextmanager
@@ -16,13 +15,14 @@ from pathlib import Path
 import torch
 
 from agent.errors import UserError
+from agent.flags import check_freeze_flags
 from sandbox.runner import Limits, TrialRunner
 from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
 from tools.problem import Problem, StopRule, Tolerance
 from tools.profiler import ProfileResult, plan_regions, profile_model, select_regions
-from tools.runfolder import RunFolder, RunInfo, check_runs_dir
+from tools.runfolder import RunFolder, RunInfo
 from tools.trial import Candidate, Trial
 
 
@@ -53,20 +53,11 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
     """Profile the model and freeze its hotspots into a new run folder. Every input is checked
     before the model is touched; a failure after the folder was made removes it again, so a
     bad input (or Ctrl-C) leaves no half-made run behind."""
+    flags = check_freeze_flags(model, runs_dir, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
+                               region_tolerance=region_tolerance, max_regions=max_regions, coverage=coverage,
+                               freeze_problems=freeze_problems)
+    tol, e2e_tol, per_region = flags.tolerance, flags.e2e_tolerance, flags.per_region
     dev = resolve_device(device)
-    tol = _tolerance(tolerance, "--tolerance") if tolerance else None
-    e2e_tol = _tolerance(e2e_tolerance, "--e2e-tolerance") if e2e_tolerance else None
-    per_region = {}
-    for item in region_tolerance:
-        name, sep, text = item.partition("=")
-        if not sep or not name.strip():
-            raise UserError(f"--region-tolerance {item!r}: use CLASS=abs:1e-3 or CLASS=rel:1e-2")
-        per_region[name] = _tolerance(text, f"--region-tolerance {name}")
-    if freeze_problems and max_regions < 1:
-        raise UserError(f"--max-regions {max_regions}: freeze at least 1 region")
-    if not 0 < coverage <= 1 or coverage != coverage:
-        raise UserError(f"--coverage {coverage}: give a share of the model's time in (0, 1], e.g. 0.9")
-    check_runs_dir(runs_dir)
     with user_code(model):
         loaded = load_model(model, dev, workload=workload, trace=trace, trace_keep_own=trace_keep_own)
     classes = {n for m in loaded.model.modules() for n in (type(m).__name__, type(m).__qualname__)}
@@ -175,21 +166,6 @@ def _per_workload_ms(result: ProfileResult, qualname: str) -> dict[str, float]:
         if row is not None and row.calls:
             out[w.name] = row.inclusive_ms / row.calls
     return out
-
-
-def _tolerance(text: str, flag: str = "--tolerance") -> Tolerance:
-    """abs:VALUE, rel:VALUE or a bare number; every way it can be wrong said in one whole line."""
-    kind, _, value = text.partition(":") if ":" in text else ("abs", "", text)
-    kind = kind.strip()
-    if kind not in ("abs", "rel"):
-        raise UserError(f"{flag} {text!r}: the kind must be abs or rel (abs:1e-3, rel:1e-2)")
-    try:
-        number = float(value)
-    except ValueError:
-        raise UserError(f"{flag} {text!r}: {value.strip()!r} is not a number (abs:1e-3, rel:1e-2)") from None
-    if not math.isfinite(number) or number < 0:
-        raise UserError(f"{flag} {text!r}: the bound must be a finite, non-negative number (abs:1e-3, rel:1e-2)")
-    return Tolerance(kind=kind, value=number)
 
 
 def find_problem(target: Path, region: str | None) -> Path:

@@ -21,8 +21,8 @@ from typing import Any, Callable, TextIO
 
 from agent import report
 from agent.errors import UserError
+from agent.flags import check_freeze_flags
 from agent.history import History
-from agent.jobs import profile_and_freeze
 from agent.loop import Outcome, load_history
 from agent.progress import Progress
 from agent.settings import SETTINGS_KEY, TuneSettings, recorded, resolve
@@ -98,6 +98,9 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
         if req.model is not None:
             settings, notes = resolve(None, req.given)
             _check_search(settings)
+            check_freeze_flags(req.model, req.runs_dir, tolerance=req.tolerance, e2e_tolerance=req.e2e_tolerance,
+                               region_tolerance=req.region_tolerance, max_regions=req.max_regions)
+            from agent.jobs import profile_and_freeze  # torch: only once the flags are known good
             res = profile_and_freeze(req.model, req.device, req.workload, req.runs_dir, tolerance=req.tolerance,
                                      stop_rule=settings.stop_rule, max_regions=req.max_regions, regions=req.regions,
                                      region_tolerance=req.region_tolerance, e2e_tolerance=req.e2e_tolerance,

@@ -12,19 +12,19 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from agent.budget import Budget
 from agent.errors import UserError
-from agent.executors.local import BUSY_NOTE, LocalExecutor, parse_devices
-from agent.jobs import check_model_unchanged
 from agent.loop import Outcome, load_history, tune
-from agent.planners import PlannerError, make_planner
+from agent.planners import PlannerError, make_planner, planner_names
 from agent.signals import STOP_SIGNALS
-from sandbox.runner import Limits
 from tools.problem import Problem, StopRule
 from tools.runfolder import RunFolder
 from tools.trial import Trial
+
+if TYPE_CHECKING:
+    from sandbox.runner import Limits
 
 def _recorder(run: RunFolder) -> Callable[..., None]:
     """Where planners note LLM calls, their cost, and answers that could not be read. Opens
@@ -54,7 +54,9 @@ def _usd(run: RunFolder) -> float:
 def check_planner(spec: str, llm_model: str | None = None, base_url: str | None = None) -> None:
     """Fail before profiling when the planner cannot work (unknown name, missing API key)."""
     try:
-        make_planner(spec, llm_model=llm_model, base_url=base_url)
+        llms = [n for n in planner_names(spec) if n in ("anthropic", "openai")]  # the others need nothing
+        if llms:
+            make_planner(",".join(llms), llm_model=llm_model, base_url=base_url)
     except PlannerError as e:
         raise UserError(str(e)) from None
 
@@ -68,6 +70,9 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
              on_budget: Callable[[Budget], None] = lambda b: None) -> tuple[Outcome, Budget]:
     """Search the run until a stop rule fires or a signal stops it. The outcome says which
     generations the candidates were tried on (`outcome.generations`)."""
+    from agent.executors.local import BUSY_NOTE, LocalExecutor, parse_devices  # torch: past the flags' checks
+    from agent.jobs import check_model_unchanged
+    from sandbox.runner import Limits
     problems = run.problems()
     if not problems:
         raise UserError(f"{run.path}: no frozen problems to tune (see skipped regions in run.json)")

@@ -33,7 +33,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
 
 MODULE_PREFIX = "nightshift_model_"
 
@@ -133,12 +132,19 @@ def _where(exc: BaseException, path: Path) -> str:
     return f" (line {frames[-1].lineno})" if frames else ""
 
 
-def import_model_file(path: str | Path) -> ModuleType:
+def check_model_path(path: str | Path) -> Path:
+    """The model file's path, resolved, or the reason it cannot be one."""
     path = Path(path).resolve()
     if not path.exists():
         raise ModelFileError(f"{path}: model file not found")
     if not path.is_file() or path.suffix != ".py":
         raise ModelFileError(f"{path}: a model file must be a Python (.py) file")
+    return path
+
+
+def import_model_file(path: str | Path) -> ModuleType:
+    import torch  # here, not at the top: the CLI names a bad flag or a missing file without torch
+    path = check_model_path(path)
     name = module_name_for(path)
     if name in sys.modules:
         return sys.modules[name]
@@ -212,6 +218,7 @@ def _workloads(path: Path, module: ModuleType) -> list[WorkloadInputs]:
 
 
 def tensors_in(obj: Any):
+    import torch
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
@@ -223,6 +230,7 @@ def tensors_in(obj: Any):
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
+    import torch
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, (list, tuple)):
@@ -234,6 +242,7 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 def host_copy(obj: Any) -> Any:
     """Tensors in a nested list/tuple/dict, detached and copied to the host."""
+    import torch
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, (list, tuple)):
@@ -269,6 +278,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
     """Import the file, build the model on `device`, collect its workloads (or the shapes of a
     request trace) and run one forward pass per workload so that a model that raises fails
     here, with a clear message."""
+    import torch
     path = Path(path).resolve()
     device = torch.device(device)
     with recording_environment() as env:

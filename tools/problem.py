@@ -17,7 +17,6 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from tools import seal
@@ -91,6 +90,7 @@ def default_tolerance(dtype: torch.dtype, ref_max: float) -> Tolerance:
     Never tighter than two rounding steps of the dtype at the output's largest magnitude:
     two correct kernels that sum in a different order may round one element differently,
     and that must not fail them."""
+    import torch  # here, not at the top: the CLI reads problems (status, report) without torch
     name = str(dtype).removeprefix("torch.")
     table = DEFAULT_TOLERANCE.get(name, DEFAULT_TOLERANCE["float32"])
     if ref_max > WIDE_RANGE:
@@ -140,6 +140,7 @@ class TensorSpec(BaseModel):
 
     @property
     def nbytes(self) -> int:
+        import torch
         return math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
@@ -232,6 +233,7 @@ class Problem(BaseModel):
         """Write the problem folder and seal every file of it in the run's seal (tools/seal.py):
         the run folder is the problem folder's grandparent (`runs/<run>/problems/<name>`), or
         `seal_root` (the whole model's `runs/<run>/model/` is sealed in its parent)."""
+        import torch
         folder.mkdir(parents=True, exist_ok=True)
         for fname, obj in ((INPUTS_FILE, inputs), (REFERENCE_FILE, reference), (STATE_FILE, state)):
             torch.save(obj, folder / fname)
@@ -259,6 +261,7 @@ class Problem(BaseModel):
     def load_tensors(self, folder: Path, inputs: bool = True, state: bool = True) -> tuple[Any, list[Any], Any]:
         """Inputs, reference outputs and module state, each checked against its hash (inputs or
         state only checked, not loaded, when not asked for: sandbox workers load those)."""
+        import torch
         out = []
         for fname, want in ((INPUTS_FILE, inputs), (REFERENCE_FILE, True), (STATE_FILE, state)):
             path = Path(folder) / fname
@@ -289,6 +292,7 @@ file_hash = seal.file_hash
 
 def tensor_hash(obj: Any) -> str:
     """Content hash of a (nested) structure of tensors: bytes, shapes and dtypes."""
+    import torch
     h = hashlib.sha256()
 
     def walk(x: Any) -> None:

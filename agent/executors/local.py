@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import torch
-
 from agent.budget import Budget
 from agent.feed import Feed, results_of
 from sandbox.client import WorkerConfig
@@ -53,6 +51,7 @@ def parse_devices(spec: str | None) -> tuple[list[Slot], list[str]]:
             if dev != "cpu" and not dev.startswith("cuda"):
                 raise ValueError(f"unknown device {item!r}: use cpu, cuda or cuda:N (optionally @label)")
             if dev.startswith("cuda"):
+                import torch  # here: `agent tune` checks its flags before paying for torch's import
                 if not torch.cuda.is_available():
                     raise ValueError(f"device {item!r} asked for, but CUDA is not available here")
                 dev = dev if ":" in dev else "cuda:0"
@@ -60,6 +59,7 @@ def parse_devices(spec: str | None) -> tuple[list[Slot], list[str]]:
                     raise ValueError(f"device {dev} does not exist (this machine sees {torch.cuda.device_count()})")
             slots.append(Slot(dev, label or _generation(dev)))
         return slots, notes
+    import torch
     if torch.cuda.is_available():
         slots = []
         torch.cuda.empty_cache()
@@ -80,6 +80,7 @@ def parse_devices(spec: str | None) -> tuple[list[Slot], list[str]]:
 def _generation(device: str) -> str:
     if device == "cpu":
         return "cpu"
+    import torch
     props = torch.cuda.get_device_properties(torch.device(device))
     arch = getattr(props, "gcnArchName", "")
     return arch.split(":")[0] if arch and arch.startswith("gfx") else f"sm{props.major}{props.minor}"

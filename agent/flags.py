@@ -1,0 +1,55 @@
+"""What a command line says, checked before anything heavy is imported: a wrong flag is named in
+under a second, not after torch's few seconds of import (and never after the model was built)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.errors import UserError
+from tools.modelfile import check_model_path
+from tools.problem import Tolerance
+from tools.runfolder import check_runs_dir
+
+
+@dataclass
+class FreezeFlags:
+    tolerance: Tolerance | None = None
+    e2e_tolerance: Tolerance | None = None
+    per_region: dict[str, Tolerance] = field(default_factory=dict)
+
+
+def parse_tolerance(text: str, flag: str = "--tolerance") -> Tolerance:
+    """abs:VALUE, rel:VALUE or a bare number; every way it can be wrong said in one whole line."""
+    kind, _, value = text.partition(":") if ":" in text else ("abs", "", text)
+    kind = kind.strip()
+    if kind not in ("abs", "rel"):
+        raise UserError(f"{flag} {text!r}: the kind must be abs or rel (abs:1e-3, rel:1e-2)")
+    try:
+        number = float(value)
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: {value.strip()!r} is not a number (abs:1e-3, rel:1e-2)") from None
+    if not math.isfinite(number) or number < 0:
+        raise UserError(f"{flag} {text!r}: the bound must be a finite, non-negative number (abs:1e-3, rel:1e-2)")
+    return Tolerance(kind=kind, value=number)
+
+
+def check_freeze_flags(model: Path, runs_dir: Path, *, tolerance: str | None = None,
+                       e2e_tolerance: str | None = None, region_tolerance: list[str] = (),
+                       max_regions: int = 8, coverage: float = 0.9, freeze_problems: bool = True) -> FreezeFlags:
+    """`profile` / `tune --model`'s flags, and the model file's path (not its contents)."""
+    flags = FreezeFlags(tolerance=parse_tolerance(tolerance, "--tolerance") if tolerance else None,
+                        e2e_tolerance=parse_tolerance(e2e_tolerance, "--e2e-tolerance") if e2e_tolerance else None)
+    for item in region_tolerance:
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise UserError(f"--region-tolerance {item!r}: use CLASS=abs:1e-3 or CLASS=rel:1e-2")
+        flags.per_region[name] = parse_tolerance(text, f"--region-tolerance {name}")
+    if freeze_problems and max_regions < 1:
+        raise UserError(f"--max-regions {max_regions}: freeze at least 1 region")
+    if not 0 < coverage <= 1 or coverage != coverage:
+        raise UserError(f"--coverage {coverage}: give a share of the model's time in (0, 1], e.g. 0.9")
+    check_model_path(model)
+    check_runs_dir(runs_dir)
+    return flags
