@@ -120,12 +120,13 @@ def _env_price(name: str) -> float | None:
 
 
 def make_client(provider: str, model: str | None = None, base_url: str | None = None, timeout: float = 120.0,
-                max_attempts: int = 5, backoff: tuple[float, float] = (1.0, 30.0), **options) -> LLMClient:
+                max_attempts: int = 5, backoff: tuple[float, float] | None = None, **options) -> LLMClient:
     """A client for `provider` ("anthropic" or "openai") with its key from the environment.
 
     `base_url` defaults to the SDK's own (ANTHROPIC_BASE_URL / OPENAI_BASE_URL, else the
     provider's API); an OpenAI-compatible local server works with provider "openai".
-    `backoff` is (base, cap) in seconds for the exponential, jittered waits between attempts.
+    `backoff` is (base, cap) in seconds for the exponential, jittered waits between attempts
+    (default: $NIGHTSHIFT_LLM_BACKOFF as `BASE,CAP`, else 1 and 30 s).
     """
     table = {"anthropic": AnthropicClient, "openai": OpenAIClient}
     if provider not in table:
@@ -137,9 +138,23 @@ def make_client(provider: str, model: str | None = None, base_url: str | None = 
                            "or use --planner template, which needs no key")
     if max_attempts < 1 or timeout <= 0:
         raise PlannerError(f"max_attempts must be >= 1 and timeout > 0 (got {max_attempts}, {timeout})")
+    backoff = backoff or _env_backoff()
     model = model or os.environ.get(MODEL_ENV[provider]) or DEFAULT_MODEL[provider]
     price(model)  # a malformed price override fails now, not after the first paid call
     return table[provider](key, model, base_url, timeout, max_attempts, backoff, **options)
+
+
+def _env_backoff() -> tuple[float, float]:
+    text = os.environ.get("NIGHTSHIFT_LLM_BACKOFF", "").strip()
+    if not text:
+        return 1.0, 30.0
+    try:
+        base, cap = (float(x) for x in text.split(","))
+    except ValueError:
+        base = cap = float("nan")
+    if not (0 <= base <= cap < float("inf")):
+        raise PlannerError(f"NIGHTSHIFT_LLM_BACKOFF={text!r}: give BASE,CAP in seconds, 0 <= BASE <= CAP (e.g. 1,30)")
+    return base, cap
 
 
 class _SDKClient:

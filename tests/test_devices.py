@@ -152,8 +152,10 @@ def test_every_gpu_busy_with_gpu_frozen_problems_stops_with_a_clear_error(monkey
     from agent.settings import StopRule
 
     busy = (["cuda:0 left alone: 3.5 GiB in use by other work", "no idle GPU: using the CPU"])
-    monkeypatch.setattr(tuning, "parse_devices", lambda devices: ([Slot("cpu", "cpu")], list(busy)))
-    monkeypatch.setattr(tuning, "check_model_unchanged", lambda p: None)
+    from agent import jobs
+    from agent.executors import local
+    monkeypatch.setattr(local, "parse_devices", lambda devices: ([Slot("cpu", "cpu")], list(busy)))
+    monkeypatch.setattr(jobs, "check_model_unchanged", lambda p: None)
     run = SimpleNamespace(path=tmp_path, inbox=tmp_path / "inbox", problems=lambda: [SimpleNamespace(name="LlamaRMSNorm", device="cuda")])
     with pytest.raises(UserError, match="no idle GPU .*cuda:0 left alone.*--devices cuda:0.*--devices cpu"):
         tuning.run_tune(run, "template", None, StopRule())

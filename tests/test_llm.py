@@ -203,3 +203,14 @@ def test_old_store_without_the_table_reads_zero(tmp_path):
     path = tmp_path / "old.db"
     sqlite3.connect(path).execute("CREATE TABLE trials (id INTEGER)").connection.commit()
     assert Store(path, readonly=True).llm_usd() == 0.0
+
+
+def test_the_backoff_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-real-0000")
+    monkeypatch.setenv("NIGHTSHIFT_LLM_BACKOFF", "0.5,2")
+    waits = make_client("anthropic")._backoff
+    assert (waits.multiplier, waits.max) == (0.5, 2.0)
+    for bad in ("fast", "2,1", "-1,3", "1,inf", "1"):
+        monkeypatch.setenv("NIGHTSHIFT_LLM_BACKOFF", bad)
+        with pytest.raises(PlannerError, match="NIGHTSHIFT_LLM_BACKOFF"):
+            make_client("anthropic")

@@ -45,7 +45,9 @@ def profiled(tmp_path_factory) -> Path:
 
 def tune(run: Path, provider: str, server: ReplayServer, planner: str | None = None, *extra):
     env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
-    env.update({"PYTHONPATH": str(ROOT), f"{provider.upper()}_API_KEY": "sk-test-not-real-0000"})
+    env.update({"PYTHONPATH": str(ROOT), f"{provider.upper()}_API_KEY": "sk-test-not-real-0000",
+                # Retries as the product makes them, with waits of milliseconds, not seconds.
+                "NIGHTSHIFT_LLM_BACKOFF": "0.01,0.05"})
     base = server.url if provider == "anthropic" else server.url + "/v1"
     return subprocess.run([sys.executable, "-m", "agent", "tune", "--resume", str(run), "--planner", planner or provider,
                            "--base-url", base, "--llm-model", MODEL[provider], "--devices", "cpu", "--no-integrate",

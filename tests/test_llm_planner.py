@@ -37,7 +37,9 @@ def reply(*candidates) -> str:
 
 def tune(tmp_path, provider, server, *extra):
     env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
-    env.update({"PYTHONPATH": str(ROOT), f"{provider.upper()}_API_KEY": "sk-test-not-real-0000"})
+    env.update({"PYTHONPATH": str(ROOT), f"{provider.upper()}_API_KEY": "sk-test-not-real-0000",
+                # Retries as the product makes them, with waits of milliseconds, not seconds.
+                "NIGHTSHIFT_LLM_BACKOFF": "0.01,0.05"})
     base = server.url if provider == "anthropic" else server.url + "/v1"
     return subprocess.run([sys.executable, "-m", "agent", "tune", "--model", str(TINY), "--planner", provider,
                            "--base-url", base, "--llm-model", MODEL[provider], "--runs-dir", str(tmp_path / "runs"),
