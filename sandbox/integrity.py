@@ -16,6 +16,14 @@ candidate phase, covers:
   cuDNN flags, deterministic mode, SDPA backends, denormal flushing;
 - profiling and tracing hooks (`sys.setprofile`, `sys.settrace`, and their threading forms).
 
+One change is torch's own and accepted: the wrappers dynamo installs around torch functions
+when an honest candidate's torch.compile first imports it (`torch._disable_dynamo` on
+`manual_seed`, the mutation guard on `Module.__init__` and `__setstate__`). A changed function
+passes only if its code equals a nested function of those torch files, compiled here from
+their read-only source (so a candidate cannot pass its own code off as theirs), and every
+function it closes over is the original. The worker is spared dynamo's import (seconds of each
+start) until a candidate needs it.
+
 This runs in the candidate's own process, so it is a second line: what decides is outside
 it. The baseline is timed in a process that never runs candidate code, outputs are judged in
 the tuner, and claimed times are bounded by the tuner's own clock (sandbox/runner.py).
@@ -28,6 +36,8 @@ import statistics
 import sys
 import threading
 import time
+import types
+from pathlib import Path
 from typing import Any
 
 HARNESS_OPS = ("aten::clone", "aten::copy_", "aten::empty.memory_format", "aten::empty_strided",
@@ -64,8 +74,17 @@ def _fingerprint(value: Any) -> tuple:
     return (id(value), id(code) if code is not None else 0)
 
 
-def functions(classes: list[type]) -> dict[str, tuple]:
-    snap = {}
+TORCH_WRAPPER_SOURCES = ("_compile.py", "_dynamo/mutation_guard.py")
+"""torch's files (relative to its package) whose nested functions wrap torch's own functions."""
+
+
+class Snapshot(dict):
+    """Fingerprints by name, and the objects they were taken of (held, so no id is reused)."""
+    originals: dict[str, Any]
+
+
+def _objects(classes: list[type]) -> dict[str, Any]:
+    objects = {}
     for label, space in _spaces(classes).items():
         raw = getattr(space, "__dict__", None)
         # The raw namespace where there is one: bound methods are new objects on every access.
@@ -74,8 +93,51 @@ def functions(classes: list[type]) -> dict[str, tuple]:
         for name, value in names.items():
             if name in ("__dict__", "__weakref__", "__doc__", "_abc_impl"):
                 continue
-            snap[f"{label}.{name}"] = _fingerprint(value)
-    return snap
+            objects[f"{label}.{name}"] = value
+    return objects
+
+
+def functions(classes: list[type]) -> dict[str, tuple]:
+    return {k: _fingerprint(v) for k, v in _objects(classes).items()}
+
+
+def torch_wrapper_codes() -> list[types.CodeType]:
+    """Every nested function of TORCH_WRAPPER_SOURCES, compiled from torch's files on disk."""
+    import torch
+    root, codes = Path(torch.__file__).parent, []
+    for rel in TORCH_WRAPPER_SOURCES:
+        try:
+            top = compile((root / rel).read_text(), str(root / rel), "exec", dont_inherit=True)
+        except (OSError, SyntaxError, ValueError):
+            continue
+        stack = [c for c in top.co_consts if isinstance(c, types.CodeType)]
+        while stack:
+            nested = [c for c in stack.pop().co_consts if isinstance(c, types.CodeType)]
+            codes += nested
+            stack += nested
+    return codes
+
+
+_CODE_FIELDS = ("co_code", "co_consts", "co_names", "co_varnames", "co_freevars", "co_cellvars", "co_flags",
+                "co_argcount", "co_posonlyargcount", "co_kwonlyargcount", "co_name", "co_firstlineno")
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    # Field by field: `==` on code objects also compares the interpreter's specialised bytes,
+    # which differ once the function has run (Python 3.11+).
+    return all(getattr(a, f, None) == getattr(b, f, None) for f in _CODE_FIELDS)
+
+
+def _torch_wrapper_of(new: Any, old: Any, codes: list[types.CodeType]) -> bool:
+    code = getattr(new, "__code__", None)
+    if not isinstance(code, types.CodeType) or not any(_same_code(code, c) for c in codes):
+        return False
+    try:
+        inside = [cell.cell_contents for cell in new.__closure__ or ()]
+    except ValueError:  # an empty cell
+        return False
+    wrapped = [x for x in inside if callable(x)]
+    return bool(wrapped) and all(x is old for x in wrapped)
 
 
 def dispatcher(ops: list[str]) -> dict[str, str]:
@@ -114,8 +176,11 @@ def global_state() -> dict[str, str]:
     return {k: str(v) for k, v in state.items()}
 
 
-def snapshot(classes: list[type], ops: list[str]) -> dict[str, Any]:
-    return {**functions(classes), **dispatcher(ops), **global_state()}
+def snapshot(classes: list[type], ops: list[str]) -> Snapshot:
+    objects = _objects(classes)
+    snap = Snapshot({**{k: _fingerprint(v) for k, v in objects.items()}, **dispatcher(ops), **global_state()})
+    snap.originals = objects
+    return snap
 
 
 def changed(before: dict[str, Any], classes: list[type], ops: list[str]) -> list[str]:
@@ -124,6 +189,11 @@ def changed(before: dict[str, Any], classes: list[type], ops: list[str]) -> list
     New names in modules are fine: importing a submodule (torch._inductor) adds them."""
     now = snapshot(classes, ops)
     diff = [k for k, v in before.items() if now.get(k) != v]
+    originals = getattr(before, "originals", {})
+    if diff and "torch._dynamo" in sys.modules and originals:
+        codes = torch_wrapper_codes()
+        diff = [k for k in diff if not (k in originals and k in now.originals
+                                        and _torch_wrapper_of(now.originals[k], originals[k], codes))]
     spaces = _spaces(classes)
     for k in now:
         label, _, name = k.rpartition(".")

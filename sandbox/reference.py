@@ -91,7 +91,8 @@ def register(worker: Worker, problem: Problem, folder: Path, timeout: float) -> 
              open(problem.model_file, "rb")]
     try:
         return worker.request({"op": "problem", "name": problem.name, "model_file": problem.model_file,
-                               "region_path": problem.region_path, "env": problem.model_env},
+                               "region_path": problem.region_path, "env": problem.model_env,
+                               "meta": problem.build_on_meta},
                               timeout=timeout, fds=[f.fileno() for f in files])
     finally:
         for f in files:

@@ -103,7 +103,7 @@ class Worker:
             model_source = f.read()
         os.environ.update(isolation.model_settings(req.get("env") or {}))
         region = build_region(self._model_copy(req["model_file"], model_source), req["region_path"], state,
-                              self.device)
+                              self.device, on_meta=bool(req.get("meta", True)))
         del state
         self.problems[req["name"]] = {"region": region, "forward": type(region).forward, "inputs": inputs}
         header: dict[str, Any] = {"ok": True}
@@ -368,16 +368,8 @@ def main() -> None:
     sock = socket.socket(fileno=args.fd)
     import torch
     import torch.utils.deterministic  # noqa: F401
-    if args.role == "candidate":
-        # Imported before any integrity snapshot: an honest candidate may use torch.compile, and
-        # importing dynamo wraps torch functions (manual_seed). The reference worker never runs a
-        # candidate, so it is spared the import (seconds of every start).
-        import torch._dynamo  # noqa: F401
-        try:  # what torch.compile installs on its first compile (it wraps Module.__init__), installed now
-            from torch._dynamo.mutation_guard import install_generation_tagging_init
-            install_generation_tagging_init()
-        except ImportError:
-            pass
+    # torch._dynamo is not imported here (seconds of every start): a candidate's torch.compile
+    # imports it, and the integrity check knows the wrappers that import installs (integrity.py).
     hello = {"op": "hello", "pid": os.getpid(), "isolation": report, "device": args.device, "role": args.role,
              "torch": torch.__version__}
     if args.device == "cuda":

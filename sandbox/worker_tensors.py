@@ -10,6 +10,7 @@ same tensors bit for bit, and the tuner never has to ship them.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from typing import Any
 
@@ -48,6 +49,13 @@ class fill_uninitialized:
         sentinel = self.SENTINEL
 
         class FillEmpty(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # torch wraps a mode's handler so that torch.compile never traces it, and the wrapper
+                # imports dynamo on first use (seconds of a worker's first trial): needed only once a
+                # candidate has imported dynamo (a compiling one has, on the run before this one).
+                return "torch._dynamo" in sys.modules
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 if func in empties and isinstance(out, torch.Tensor) and out.numel():

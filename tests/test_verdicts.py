@@ -1,8 +1,8 @@
 """Honest work is never rejected, and parameters that happen to be ones and zeros are no loophole.
 
 - The region's own forward and plain-torch rewrites pass on nn.Linear, nn.LayerNorm, nn.Conv2d
-  and whole-Model regions (the harness imports what it uses, torch._dynamo included, before
-  its integrity snapshot, and torch.compile's own installs are not tampering).
+  and whole-Model regions (the harness imports what it uses before its integrity snapshot, and
+  the wrappers a candidate's torch.compile installs on importing dynamo are torch's own).
 - A randomly initialised LayerNorm has weight 1 and bias 0: a candidate that ignores either is
   right on the frozen and fresh inputs, and wrong with the perturbed parameters.
 - An unchanged region timed against itself reads "no change" (inside its A/A noise band), and
@@ -73,6 +73,35 @@ def test_own_forward_and_plain_rewrites_pass_on_torch_regions_and_the_whole_mode
         runner.close()
 
 
+COMPILED = """import torch
+
+_compiled = {}
+
+
+def forward(module, *args, **kwargs):
+    # What the compiler planner's candidates do: dynamo is first imported here, in the worker.
+    fn = _compiled.setdefault(id(module), torch.compile(type(module).forward, backend="eager"))
+    return fn(module, *args, **kwargs)
+"""
+
+
+def test_a_torch_compile_candidate_is_not_tampering(frozen):
+    """The candidate's worker starts without torch._dynamo; a candidate's torch.compile imports
+    it, and the wrappers that import installs (manual_seed, Module.__init__) are torch's own. Their
+    lookalikes are adversarial candidates (forges_torch_wrapper, wraps_original_in_torch_clothes)."""
+    region, _ = frozen["LayerNorm"]
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(region)
+        trial = runner.run(Candidate(region=region.name, source=COMPILED), do_time=False)
+        assert trial.status is Status.ok, (trial.status, trial.reason, trial.error_text[-600:])
+        again = runner.run(Candidate(region=region.name, source=COMPILED + "\n# again, in the same worker\n"),
+                           do_time=False)
+        assert again.status is Status.ok, (again.status, again.reason)
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("ignored", sorted(IGNORES))
 def test_ignoring_a_parameter_that_is_one_or_zero_is_caught(frozen, ignored):
     region, _ = frozen["LayerNorm"]
@@ -108,6 +137,7 @@ def get_inputs():
 """
 
 
+@pytest.mark.alone
 def test_an_unchanged_region_reads_no_change_and_is_never_a_win(tmp_path):
     """A region big enough (about a millisecond on one CPU thread) that calling its forward through
     a candidate costs nothing measurable: timed against itself, inside its A/A band."""

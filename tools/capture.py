@@ -183,7 +183,7 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             name=name, region_class=choice.class_name, region_path=rep, instances=paths,
             region_source=_source(type(module)), model_file=str(loaded.path), model_hash=model_hash,
             init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
-            parameters=[TensorSpec.of(n, t) for n, t in state.items()],
+            parameters=[TensorSpec.of(n, t) for n, t in state.items()], model_bytes=model_bytes(loaded.model),
             attributes=scalar_attributes(module), children={n: type(c).__qualname__ for n, c in module.named_children()},
             workloads=workloads, tolerance=tol, tolerance_source=source,
             metric="weighted_latency" if len(workloads) > 1 else "latency",
@@ -195,6 +195,12 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
         problems.append(problem)
         del inputs, raw_outputs, reference, flat, alone
     return problems, skipped
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (tied ones once)."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def _unique(items: list[str]) -> list[str]:
@@ -262,6 +268,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         region_source=_source(type(model)), model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
         init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
         children={n: type(c).__qualname__ for n, c in model.named_children()}, workloads=workloads,
+        model_bytes=model_bytes(model),
         tolerance=workloads[0].tolerance, tolerance_source="per workload (end to end)",
         metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
         inplace_inputs=inplace_paths([p["name"] for p in signature_facts(type(model))],

@@ -82,6 +82,7 @@ DEFAULT_TOLERANCE: dict[str, dict[str, float]] = {
 }
 # Above this magnitude of the reference an absolute bound stops meaning much.
 WIDE_RANGE = 8.0
+DIRECT_BUILD_BYTES = 256 << 20
 
 
 def default_tolerance(dtype: torch.dtype, ref_max: float) -> Tolerance:
@@ -187,6 +188,11 @@ class Problem(BaseModel):
     """Device the reference outputs were computed on (`cuda`, `cpu`)."""
     device_name: str = ""
     parameters: list[TensorSpec] = Field(default_factory=list)
+    model_bytes: int | None = None
+    """The whole model's parameters and buffers at freeze: below DIRECT_BUILD_BYTES the sandbox
+    rebuilds it directly, above (or unknown) on the meta device, where arithmetic in a module's
+    __init__ runs torch's Python decompositions, which import torch._dynamo (seconds of each
+    worker's start)."""
     """Parameters and buffers of the representative module, by dotted name."""
     attributes: dict[str, float | int | bool | str] = Field(default_factory=dict)
     """Scalar attributes of the representative module (eps, num_heads, ...), for planners."""
@@ -281,6 +287,10 @@ class Problem(BaseModel):
         """The tolerance that judges input set `index` (its workload's, else the problem's)."""
         w = self.workloads[index] if 0 <= index < len(self.workloads) else None
         return w.tolerance if w is not None and w.tolerance is not None else self.tolerance
+
+    @property
+    def build_on_meta(self) -> bool:
+        return self.model_bytes is None or self.model_bytes > DIRECT_BUILD_BYTES
 
     @property
     def is_whole_model(self) -> bool:

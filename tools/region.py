@@ -44,20 +44,24 @@ def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def build_region(model_file: str | Path, region_path: str, state: dict[str, torch.Tensor],
-                 device: torch.device) -> torch.nn.Module:
+                 device: torch.device, on_meta: bool = True) -> torch.nn.Module:
     """Rebuild the module at `region_path` with exactly the frozen `state`.
 
-    The model is built on the meta device (cheap at any size), so only the region's own
-    tensors are ever materialised; if the model cannot be built on meta, it is built on
-    the CPU instead.
+    With `on_meta` the model is built on the meta device (cheap at any size), so only the
+    region's own tensors are ever materialised; if the model cannot be built on meta, or
+    without `on_meta` (a small model: Problem.build_on_meta), it is built on the CPU.
     """
     path = Path(model_file)
     mod = import_model_file(path)
     init_inputs = _as_list(path, "get_init_inputs()", _call(path, "get_init_inputs()", mod.get_init_inputs))
-    try:
-        with torch.device("meta"):
-            model = mod.Model(*init_inputs)
-    except Exception:
+    model = None
+    if on_meta:
+        try:
+            with torch.device("meta"):
+                model = mod.Model(*init_inputs)
+        except Exception:
+            model = None
+    if model is None:
         model = _call(path, "Model(*get_init_inputs())", mod.Model, *init_inputs)
     try:
         region = model.get_submodule(region_path) if region_path else model
