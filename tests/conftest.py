@@ -1,6 +1,10 @@
-"""Shared fixtures: a frozen run of the small example model, made once per test session."""
+"""Shared fixtures: a frozen run of the small example model, made once per test session; and
+the lock that lets a timing verdict run with nothing beside it when the suite runs in several
+processes (pytest-xdist)."""
 
+import fcntl
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,3 +38,34 @@ def frozen_run(tmp_path_factory, small_env):
                                folder, torch.device("cpu"))
     assert not skipped, skipped
     return folder
+
+
+# The suite runs in two processes on CI's two cores (addopts). A test that reads a timing verdict
+# on the CPU (`@pytest.mark.alone`: an A/A "no change", a cheat that must not read faster) must
+# not have the other process's load beside it: it takes the lock file exclusively, every other
+# test takes it shared, from setup to teardown. The turnstile keeps a waiting exclusive test from
+# being starved by the other process's stream of shared ones.
+def _locks() -> tuple[Path, Path] | None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        return None  # one process: nothing runs beside anything
+    base = Path(tempfile.gettempdir()) / f"nightshift-tests-{run}"
+    return base.with_suffix(".lock"), base.with_suffix(".turnstile")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    paths = _locks()
+    if paths is None:
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None
+    lock = open(paths[0], "a")
+    try:
+        with open(paths[1], "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield
+    finally:
+        lock.close()  # closing drops the lock
