@@ -43,7 +43,8 @@ def tune(tmp_path, provider, server, *extra):
     base = server.url if provider == "anthropic" else server.url + "/v1"
     return subprocess.run([sys.executable, "-m", "agent", "tune", "--model", str(TINY), "--planner", provider,
                            "--base-url", base, "--llm-model", MODEL[provider], "--runs-dir", str(tmp_path / "runs"),
-                           "--json", *extra], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+                           "--no-integrate", "--json", *extra], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
 
 
 MODEL = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-4o"}
