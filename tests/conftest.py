@@ -69,3 +69,11 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         lock.close()  # closing drops the lock
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Each test process removes the lock files when it is done: a process still running after
+    the other has finished has nothing beside it to be kept from."""
+    paths = _locks()
+    for path in paths or ():
+        path.unlink(missing_ok=True)

@@ -115,8 +115,8 @@ def closed_port():
     srv.close()
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.alone] * timed(p)) for p in ADVERSARIAL],
-                         ids=[p.stem for p in ADVERSARIAL])
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.alone] * ("NOT_A_WIN" in p.read_text()))
+                                  for p in ADVERSARIAL], ids=[p.stem for p in ADVERSARIAL])
 def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_port, untouched):
     marker = f"ns-mark-{os.getpid()}-{path.stem}"
     source = fill_in(path.read_text(), frozen_run, closed_port, marker)
@@ -152,7 +152,6 @@ def test_the_run_folder_and_model_file_are_byte_identical_after_the_suite(untouc
     assert EXAMPLE.read_bytes() == before_model
 
 
-@pytest.mark.alone
 def test_harness_survives_crashes_and_still_verifies_and_times(runner):
     crash = Candidate(region="LlamaRMSNorm", source="import os\ndef forward(m, x):\n    os._exit(1)\n")
     assert runner.run(crash).status is Status.crash
