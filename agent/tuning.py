@@ -26,6 +26,7 @@ from tools.trial import Trial
 if TYPE_CHECKING:
     from sandbox.runner import Limits
 
+
 def _recorder(run: RunFolder) -> Callable[..., None]:
     """Where planners note LLM calls, their cost, and answers that could not be read. Opens
     the store per call: planners run in their own thread, and SQLite connections do not move."""

@@ -79,7 +79,7 @@ _compiled = {}
 
 
 def forward(module, *args, **kwargs):
-    # What the compiler planner's candidates do: dynamo is first imported here, in the worker.
+    # torch.compile, as the compiler planner's candidates use it: dynamo is first imported here.
     fn = _compiled.setdefault(id(module), torch.compile(type(module).forward, backend="eager"))
     return fn(module, *args, **kwargs)
 """

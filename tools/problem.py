@@ -188,12 +188,12 @@ class Problem(BaseModel):
     """Device the reference outputs were computed on (`cuda`, `cpu`)."""
     device_name: str = ""
     parameters: list[TensorSpec] = Field(default_factory=list)
+    """Parameters and buffers of the representative module, by dotted name."""
     model_bytes: int | None = None
     """The whole model's parameters and buffers at freeze: below DIRECT_BUILD_BYTES the sandbox
     rebuilds it directly, above (or unknown) on the meta device, where arithmetic in a module's
     __init__ runs torch's Python decompositions, which import torch._dynamo (seconds of each
     worker's start)."""
-    """Parameters and buffers of the representative module, by dotted name."""
     attributes: dict[str, float | int | bool | str] = Field(default_factory=dict)
     """Scalar attributes of the representative module (eps, num_heads, ...), for planners."""
     children: dict[str, str] = Field(default_factory=dict)

@@ -59,8 +59,8 @@ def build_region(model_file: str | Path, region_path: str, state: dict[str, torc
         try:
             with torch.device("meta"):
                 model = mod.Model(*init_inputs)
-        except Exception:
-            model = None
+        except Exception:  # not buildable on meta: on the CPU below
+            pass
     if model is None:
         model = _call(path, "Model(*get_init_inputs())", mod.Model, *init_inputs)
     try:

@@ -13,10 +13,9 @@ from pygments.lexers import PythonLexer
 from pygments.styles import get_style_by_name
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import (device_time, e2e_speedup, fmt_err, fmt_params, fmt_ms, fmt_speedup, standings, tidy,
-                                  weighted_totals, within)
+from agent.report.numbers import (device_time, e2e_speedup, e2e_verdict, fmt_err, fmt_params, fmt_ms, fmt_speedup,
+                                  standings, tidy, weighted_totals, within)
 from agent.report.plots import plots
-from tools.trial import verdict as band_verdict
 
 MAX_DIFF_LINES = 600
 CSS = """
@@ -120,7 +119,7 @@ def _summary(data: ReportData) -> list[str]:
     res, trials = data.integration, data.history.trials
     spent = device_time(data.gpu_seconds, data.cpu_only)
     sp = e2e_speedup(res) if res else None
-    said = band_verdict(sp, res.noise_band or 0.0) if sp else ""
+    said = e2e_verdict(res) if res else ""
     e2e = (f"{sp:.2f}x" if said != "no change" else f"no change ({sp:.2f}x)") if sp else "not yet"
     e2e_key = ("end-to-end speedup, weighted" + (f", A/A noise band ±{res.noise_band or 0.0:.1%}" if sp else "")
                + (" (CPU timing)" if res.timing_kind == "cpu" else "")) if res else \

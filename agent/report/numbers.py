@@ -42,12 +42,17 @@ def fmt_speedup(w) -> str:
     return f"{w.speedup:.2f}x ({w.verdict or verdict(w.speedup, w.noise_band)}, band ±{w.noise_band:.1%})"
 
 
+def e2e_verdict(result: IntegrationResult) -> str:
+    """`faster`, `slower` or `no change` for the weighted speedup against the weighted band ("" if none)."""
+    sp = e2e_speedup(result)
+    return verdict(sp, result.noise_band or 0.0) if sp else ""
+
+
 def e2e_headline(result: IntegrationResult) -> str:
     """The weighted end-to-end speedup, and `no change` when it lies inside the weighted band."""
-    sp, band = e2e_speedup(result), result.noise_band or 0.0
+    sp, band, said = e2e_speedup(result), result.noise_band or 0.0, e2e_verdict(result)
     if not sp:
         return "no end-to-end speedup measured."
-    said = verdict(sp, band)
     return (f"**{sp:.2f}x** end to end, weighted over workloads: {said} "
             f"({'inside' if said == 'no change' else 'beyond'} the A/A noise band of ±{band:.1%}).")
 
