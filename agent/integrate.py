@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +30,7 @@ from agent.jobs import UserError, resolve_device
 from agent.loop import load_history
 from agent.prompting import render_code
 from sandbox.client import WorkerConfig
+from sandbox.device_lock import DeviceLock
 from sandbox.runner import Limits, TrialRunner
 from tools.capture import MODEL_DIR
 from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
@@ -84,8 +87,9 @@ def compile_candidate(mode: str | None) -> Candidate:
 def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, *,
               max_tries: int = MAX_TRIES, limits: Limits | None = None, memory_gb: float = 8.0,
               on_note: Callable[[str], None] = lambda note: None, modes: list[str] | None = None,
-              cuda_graphs: bool = True) -> IntegrationResult:
-    """`modes`: the torch.compile baselines to time (names of BASELINES; default all)."""
+              cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None) -> IntegrationResult:
+    """`modes`: the torch.compile baselines to time (names of BASELINES; default all). `on_step`:
+    a line per trial as it ends (what it was, its verdict, where its seconds went)."""
     run = run if isinstance(run, RunFolder) else RunFolder.open(Path(run))
     folder = run.path / MODEL_DIR
     try:
@@ -126,7 +130,11 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     plans.sort(key=lambda x: (-x[0], -x[1]))
 
     lim = limits or Limits(compile_s=900, run_s=900, time_s=600)
-    runner = TrialRunner(worker_device, lim, WorkerConfig(device=worker_device, memory_gb=memory_gb))
+    # Held by whichever worker verifies or times; the others only compile. On a GPU, across
+    # every tuner of the host too (sandbox/device_lock.py).
+    lock = DeviceLock(worker_device) if dev.type == "cuda" else threading.Lock()
+    runner = TrialRunner(worker_device, lim, WorkerConfig(device=worker_device, memory_gb=memory_gb),
+                         device_lock=lock)
     accepted: list[tuple[Problem, CandidateRecord, str]] = []
     try:
         runner.add_problem(folder)
@@ -137,20 +145,33 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
                     dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash, reason=why))
                     continue
                 trial = runner.run(routed_candidate([(q, s) for q, _, s in accepted] + [(p, source)]), do_time=False)
+                on_step(f"{p.name} {rec.candidate_hash} routed in: {trial.status.value} end to end "
+                        f"({trial.gpu_seconds:.0f}s)")
                 if trial.status.value != "ok":
                     dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash,
                                                     reason=_end_to_end(trial)))
                     continue
                 accepted.append((p, rec, source))
                 break
-        final = runner.run(routed_candidate([(q, s) for q, _, s in accepted]))
+        routes = [(q, s) for q, _, s in accepted]
+        # Every way of running the model, each in a worker of its own: all compile at once (the
+        # tuned model's Triton kernels, each torch.compile mode), nothing timed meanwhile; then
+        # each is verified and timed against the untouched model, one after another.
+        ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
+        if dev.type == "cuda" and cuda_graphs:  # the integration step for launch-bound workloads
+            ways.append(("graphed", graphed_candidate(routes)))
+        if baselines:
+            ways += [(name, compile_candidate(mode)) for name, mode in BASELINES.items()
+                     if modes is None or name in modes]
+        elif dev.type == "cpu":
+            note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
+        runner.worker.kill()
+        trials = _side_by_side(runner, folder, ways, lock, on_step)
+        final = trials["tuned"]
         if final.status.value != "ok":
             raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
         graphed = False
-        if dev.type == "cuda" and cuda_graphs:
-            # The integration step for launch-bound workloads: the tuned model captured per shape.
-            runner.worker.kill()
-            g = runner.run(graphed_candidate([(q, s) for q, _, s in accepted]))
+        if (g := trials.get("graphed")) is not None:
             if g.status.value == "ok" and g.speedup and final.speedup and \
                     g.speedup > final.speedup * (1 + (g.noise_band or 0.0)):
                 final, graphed = g, True
@@ -164,19 +185,14 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
                                error=final.workload_errors.get(w.name), tolerance=str(model.tolerance_for(i)))
                 for i, (w, t) in enumerate(zip(model.workloads, final.timings))]
         errors: dict[str, str] = {}
-        if baselines:
-            for name, mode in BASELINES.items():
-                if modes is not None and name not in modes:
-                    continue
-                runner.worker.kill()  # each mode compiles in a fresh worker
-                b = runner.run(compile_candidate(mode))
-                if b.status.value != "ok":
-                    errors[name] = f"{b.status.value}: {b.reason}"
-                for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
-                    row.baselines[name] = t.candidate_ms if t else None
-                    row.baseline_speedups[name] = t.speedup if t else None
-        elif dev.type == "cpu":
-            note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
+        for name in BASELINES:
+            if (b := trials.get(name)) is None:
+                continue
+            if b.status.value != "ok":
+                errors[name] = f"{b.status.value}: {b.reason}"
+            for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
+                row.baselines[name] = t.candidate_ms if t else None
+                row.baseline_speedups[name] = t.speedup if t else None
         hello = dict(runner.worker.hello or runner.reference.hello)
     finally:
         runner.close()
@@ -190,6 +206,48 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
                   for p, rec, _ in accepted])
     result.save(run.path)
     return result
+
+
+PARALLEL_LOADS = 4
+"""Ways of running the model compiled at once (each a worker holding the model on the device)."""
+
+
+def _side_by_side(runner: TrialRunner, folder: Path, ways: list[tuple[str, Candidate]], lock,
+                  on_step: Callable[[str], None]) -> dict[str, Trial]:
+    """Each way in a fresh worker of its own (the first in `runner`'s, the rest in sibling runners
+    that share its reference worker and device lock): preloaded in batches of PARALLEL_LOADS,
+    then each batch verified and timed one by one."""
+    trials: dict[str, Trial] = {}
+    for at in range(0, len(ways), PARALLEL_LOADS):
+        batch = ways[at:at + PARALLEL_LOADS]
+        runners = [runner if at == 0 and i == 0 else _sibling(runner, folder, lock) for i in range(len(batch))]
+        try:
+            t0 = time.monotonic()
+            loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]
+            for t in loads:
+                t.start()
+            for t in loads:
+                t.join()
+            on_step(f"compiled {', '.join(n for n, _ in batch)} side by side in {time.monotonic() - t0:.0f}s")
+            for r, (name, c) in zip(runners, batch):
+                trial = trials[name] = r.run(c)
+                phases = ", ".join(f"{k} {v:.0f}s" for k, v in trial.phases.items() if v >= 0.5)
+                on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
+                        + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases}")
+                if r is not runner:
+                    r.worker.close()  # its device memory goes before the next one times
+        finally:
+            for r in runners:
+                if r is not runner:
+                    r.worker.close()
+    return trials
+
+
+def _sibling(runner: TrialRunner, folder: Path, lock) -> TrialRunner:
+    r = TrialRunner(runner.device, runner.limits, WorkerConfig(**{**runner.config.__dict__}),
+                    device_lock=lock, reference=runner.reference)
+    r.add_problem(folder)
+    return r
 
 
 def _end_to_end(trial: Trial) -> str:

@@ -61,7 +61,7 @@ for model in models:
     from tools.runfolder import RunFolder  # noqa: E402
     try:
         res = integrate(RunFolder.open(Path(summary["run"])), None, baselines=True, modes=["torch.compile"],
-                        cuda_graphs=False)
+                        cuda_graphs=False, on_step=lambda line: con.print(f"  [{time.strftime('%H:%M:%S')}] {line}", markup=False))
     except Exception as e:  # a model whose integration fails is a row with its reason, not the end
         row.update(error=f"integrate: {type(e).__name__}: {str(e)[:160]}")
         rows.append(row)

@@ -120,7 +120,8 @@ def main() -> None:
     from sandbox.runner import Limits
     result = integrate(run, None if args.device == "auto" else args.device, baselines=bool(modes), modes=modes,
                        limits=Limits(compile_s=args.compile_s, run_s=600, time_s=300),
-                       on_note=lambda n: print(f"  note: {n}", flush=True))
+                       on_note=lambda n: print(f"  note: {n}", flush=True),
+                       on_step=lambda line: print(f"  [{time.strftime('%H:%M:%S')}] {line}", flush=True))
     lines = table(result, args.trace)
     print("\n".join(lines))
     try:

@@ -45,6 +45,17 @@ class Limits:
 
 
 @dataclass
+class _Preloaded:
+    hash: str
+    starts: int
+    failed: "Trial | None"
+    phases: dict
+    members_before: "set[int] | None"
+    seconds: float
+    started_at: float
+
+
+@dataclass
 class LoadedProblem:
     problem: Problem
     folder: Path
@@ -71,6 +82,7 @@ class TrialRunner:
         self.problems: dict[str, LoadedProblem] = {}
         self.worker_starts_seen = -1
         self.phases: dict[str, float] = {}
+        self._preloaded: _Preloaded | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def add_problem(self, folder: Path) -> LoadedProblem:
@@ -102,10 +114,26 @@ class TrialRunner:
         return None
 
     # -- one trial ---------------------------------------------------------------------------
+    def preload(self, candidate: Candidate) -> None:
+        """Start the worker and load the candidate (import, first call per shape: its compile)
+        now; `run` of the same candidate goes on from there. Several runners' preloads can
+        overlap while none of them verifies or times, so nothing is timed beside a compile."""
+        t0, started = time.monotonic(), time.time()
+        self.phases, self.members_before = {}, None
+        lp = self.problems.get(candidate.region)
+        failed = self._load(candidate, lp) if lp is not None else None
+        self._preloaded = _Preloaded(candidate.hash, self.worker.starts, failed, dict(self.phases),
+                                     self.members_before, time.monotonic() - t0, started)
+
     def run(self, candidate: Candidate, *, candidate_path: str = "", do_time: bool = True) -> Trial:
-        t0, started, self.phases = time.monotonic(), time.time(), {}
-        self.members_before: set[int] | None = None
-        trial = self._run(candidate, do_time)
+        pre, self._preloaded = self._preloaded, None
+        if pre is not None and (pre.hash != candidate.hash or pre.starts != self.worker.starts
+                                or (pre.failed is None and not self.worker.alive)):
+            pre = None  # loaded into a worker that is gone, or another candidate: load again
+        t0, started = time.monotonic(), pre.started_at if pre else time.time()
+        self.phases = dict(pre.phases) if pre else {}
+        self.members_before = pre.members_before if pre else None
+        trial = self._run(candidate, do_time, pre)
         before = self.members_before
         if self.worker.alive and before is not None and self.worker.members() - before:
             # Processes the candidate started (a compile pool, or a setsid grandchild meant to
@@ -114,7 +142,8 @@ class TrialRunner:
             trial.flags.append("the candidate left processes running: its worker was replaced")
         trial.started_at = started
         trial.candidate_path = candidate_path
-        trial.gpu_seconds = time.monotonic() - t0
+        # Device seconds: its load and its own verification and timing, not the wait between.
+        trial.gpu_seconds = time.monotonic() - t0 + (pre.seconds if pre else 0.0)
         trial.phases = dict(self.phases)
         trial.finished_at = time.time()
         return trial
@@ -149,11 +178,31 @@ class TrialRunner:
             return []
         return list(reply.header.get("tampered") or [])
 
-    def _run(self, c: Candidate, do_time: bool) -> Trial:
+    def _run(self, c: Candidate, do_time: bool, pre: "_Preloaded | None" = None) -> Trial:
         lp = self.problems.get(c.region)
         if lp is None:
             return Trial(**self._base(c, None), status=Status.compile_error,
                          reason=f"no problem named {c.region!r} in this run")
+        failed = pre.failed if pre is not None else self._load(c, lp)
+        if failed is not None:
+            return failed
+        reg = self.reference.problems[c.region]
+        verdict, failed = self._verify(c, lp, reg)
+        if failed is not None:
+            return failed
+        numbers = dict(max_abs=verdict.max_abs, max_rel=verdict.max_rel, error=verdict.error,
+                       fresh_error=verdict.fresh_error,
+                       workload_errors={w.name: e for w, e in zip(lp.problem.workloads, verdict.per_set)})
+        if verdict.status is not Status.ok:
+            if verdict.status is Status.suspicious:
+                self.worker.kill()  # a tampered worker is not trusted with the next candidate
+            return Trial(**self._base(c, lp), status=verdict.status, reason=verdict.reason, **numbers)
+        if not do_time:
+            return Trial(**self._base(c, lp), status=Status.ok, reason=verdict.reason, **numbers)
+        return timed.time_trial(self, c, lp, numbers)
+
+    def _load(self, c: Candidate, lp: LoadedProblem) -> Trial | None:
+        """Both workers up, the candidate imported and called once per shape; a failure as its Trial."""
         t_start = time.monotonic()
         if self.worker.alive and self.worker.starts == self.worker_starts_seen:
             bad = self.reference.ensure()
@@ -169,9 +218,8 @@ class TrialRunner:
         if bad is not None:
             return self._fail(c, lp, Reply(False, status="lost", error=bad.error))
         self.members_before = self.worker.members()
-        reg = self.reference.problems[c.region]
-        if reg.drift:
-            return self._fail(c, lp, Reply(False, status="lost", error=reg.drift))
+        if self.reference.problems[c.region].drift:
+            return self._fail(c, lp, Reply(False, status="lost", error=self.reference.problems[c.region].drift))
         lim = self.limits
         reply = self.worker.request({"op": "load", "problem": c.region, "source": c.source, "hash": c.hash},
                                     timeout=lim.compile_s)
@@ -181,19 +229,7 @@ class TrialRunner:
         if reply.header.get("tampered"):
             return self._suspicious(c, lp, "the candidate replaced functions of torch or the harness on import: "
                                     + ", ".join(reply.header["tampered"][:5]))
-        verdict, failed = self._verify(c, lp, reg)
-        if failed is not None:
-            return failed
-        numbers = dict(max_abs=verdict.max_abs, max_rel=verdict.max_rel, error=verdict.error,
-                       fresh_error=verdict.fresh_error,
-                       workload_errors={w.name: e for w, e in zip(lp.problem.workloads, verdict.per_set)})
-        if verdict.status is not Status.ok:
-            if verdict.status is Status.suspicious:
-                self.worker.kill()  # a tampered worker is not trusted with the next candidate
-            return Trial(**self._base(c, lp), status=verdict.status, reason=verdict.reason, **numbers)
-        if not do_time:
-            return Trial(**self._base(c, lp), status=Status.ok, reason=verdict.reason, **numbers)
-        return timed.time_trial(self, c, lp, numbers)
+        return None
 
     def _verify(self, c: Candidate, lp: LoadedProblem, reg) -> tuple[verify.Verdict | None, Trial | None]:
         lim, p = self.limits, lp.problem

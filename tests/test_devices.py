@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +164,43 @@ def test_every_gpu_busy_with_gpu_frozen_problems_stops_with_a_clear_error(monkey
     monkeypatch.setattr(tuning, "make_planner", lambda *a, **k: (_ for _ in ()).throw(ValueError("planner reached")))
     with pytest.raises(UserError, match="planner reached"):
         tuning.run_tune(run, "template", "cpu", StopRule())
+
+
+def test_two_tuners_sharing_a_gpu_never_time_at_once(tmp_path, monkeypatch):
+    """The device lock holds across processes (an flock per physical GPU): while another tuner
+    holds cuda:0, this one waits; the holder's death frees it; GPUs renumbered by
+    CUDA_VISIBLE_DEVICES lock the physical device, and two GPUs do not share a lock."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    from sandbox.device_lock import DeviceLock, physical_device
+    monkeypatch.setenv("NIGHTSHIFT_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+         "from sandbox.device_lock import DeviceLock; l = DeviceLock('cuda:0').__enter__(); "
+         "print('held', flush=True); time.sleep(60)", str(Path(__file__).resolve().parent.parent)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        got = threading.Event()
+
+        def take():
+            with DeviceLock("cuda:0"):
+                got.set()
+
+        waiter = threading.Thread(target=take, daemon=True)
+        waiter.start()
+        with DeviceLock("cuda:1"):  # another GPU: not blocked
+            pass
+        time.sleep(1.0)
+        assert not got.is_set(), "took cuda:0 while another process held it"
+        holder.kill()  # a killed tuner's lock goes with it
+        assert got.wait(10), "the lock of a dead process was not released"
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert physical_device("cuda:1") == "cuda-5" and physical_device("cuda:0") == "cuda-3"
+    assert DeviceLock("cuda:1").path.name == "cuda-5.lock"

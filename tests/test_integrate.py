@@ -202,6 +202,39 @@ class _FixedDtype(_DeepBF16):
         return self.layers[0](x.to(torch.bfloat16))  # breaks when the weights are widened
 
 
+def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
+    """Integration's ways of running the model are preloaded at once, each in a worker of its
+    own, and only then verified and timed, one after another: a failing way is its own trial,
+    the others are timed; a preloaded candidate is never mistaken for another one."""
+    import threading
+    from agent.integrate import _side_by_side, compile_candidate, routed_candidate
+    from sandbox.runner import TrialRunner
+    folder, _ = run
+    rms = next(p for p in folder.problems() if p.name == "RMSNorm")
+    lock = threading.Lock()
+    runner = TrialRunner("cpu", device_lock=lock)
+    steps: list[str] = []
+    try:
+        runner.add_problem(folder.path / "model")
+        ways = [("tuned", routed_candidate([(rms, TRITON_RMSNORM.read_text())])),
+                ("broken", compile_candidate("no-such-mode")), ("untouched", routed_candidate([]))]
+        trials = _side_by_side(runner, folder.path / "model", ways, lock, steps.append)
+        assert trials["tuned"].status.value == "ok" and trials["untouched"].status.value == "ok"
+        assert trials["broken"].status.value in ("compile_error", "runtime_error"), trials["broken"].reason
+        for name in ("tuned", "untouched"):
+            t = trials[name]
+            assert len(t.timings) == 2 and t.speedup > 0 and t.noise_band > 0
+            assert t.phases.get("load", 0) > 0 and t.gpu_seconds >= t.phases["load"]
+        assert steps[0].startswith("compiled tuned, broken, untouched side by side")
+        assert [s.split(":")[0] for s in steps[1:]] == ["tuned", "broken", "untouched"]
+        # A preload of one candidate does not stand in for another: the next is loaded afresh.
+        runner.preload(compile_candidate("no-such-mode"))
+        again = runner.run(routed_candidate([]), do_time=False)
+        assert again.status.value == "ok", again.reason
+    finally:
+        runner.close()
+
+
 def test_e2e_tolerance_is_calibrated_on_the_models_own_rounding_error():
     from tools.capture import calibrated_tolerance
     model = _DeepBF16().to(torch.bfloat16)
@@ -271,3 +304,40 @@ def test_generated_model_candidates_render_and_run_without_a_gpu(tmp_path):
     assert CompilerPlanner(device="cpu").modes == (None, "max-autotune-no-cudagraphs")
     text = render_code("kernels/torch_compile.py.j2", mode="reduce-overhead", options={})
     assert "_GRAPHED = _MODE ==" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_graphed_model_writes_a_cache_in_place_like_the_eager_one(tmp_path):
+    """A CUDA-graph replay writes the static copies of its inputs: a cache the forward updates
+    in place must reach the caller's tensor too, call after call (the H200 once refused the
+    graphed tuned model because its k cache stayed unwritten)."""
+    import importlib.util
+    from agent.integrate import graphed_candidate
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x, cache, pos):
+            cache[:, pos] = self.proj(x)  # in place, like a KV cache
+            return cache[:, : pos + 1].sum(1)
+
+    c = graphed_candidate([])
+    path = tmp_path / f"{c.hash}.py"
+    path.write_text(c.source)
+    spec = importlib.util.spec_from_file_location(f"cand_{c.hash}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = Step().cuda()
+    for call in range(3):  # the first call captures; the others replay
+        x = torch.randn(4, 16, device="cuda")
+        mine = torch.randn(4, 8, 16, device="cuda")
+        theirs = mine.clone()
+        got = mod.forward(model, x, mine, 3)
+        want = model(x, theirs, 3)
+        torch.cuda.synchronize()
+        assert torch.allclose(got, want, atol=1e-5), call
+        assert torch.equal(mine, theirs), f"call {call}: the cache written in place differs"
+    assert mod._graphs, "the forward was never captured"

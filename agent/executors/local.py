@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from agent.budget import Budget
 from agent.feed import Feed, results_of
 from sandbox.client import WorkerConfig
+from sandbox.device_lock import DeviceLock
 from sandbox.reference import ReferenceWorker
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Status, Trial
@@ -107,7 +108,7 @@ class LocalExecutor:
         not wait. Each device also gets one reference worker, shared by its runners, which never
         runs candidate code (baselines, references for fresh inputs)."""
         self.slots, self.runners, self.lanes = slots, [], []
-        locks = {s.device: threading.Lock() for s in slots if s.device != "cpu"}
+        locks = {s.device: DeviceLock(s.device) for s in slots if s.device != "cpu"}
         self.references = {s.device: ReferenceWorker(WorkerConfig(device=s.device, memory_gb=memory_gb))
                            for s in slots}
         gpus = len([s for s in slots if s.device != "cpu"])

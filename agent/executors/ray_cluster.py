@@ -155,7 +155,8 @@ class TrialActor:
                       f"{self.device}@{self.node_id[:8]}" if gpu else f"cpu@{self.node_id[:8]}.{os.getpid()}")
         self.root = Path(tempfile.mkdtemp(prefix=f"nightshift-ray-{generation}-"))
         folders = unpack_problems(packed, self.root)
-        lock = threading.Lock() if gpu else None
+        from sandbox.device_lock import DeviceLock
+        lock = DeviceLock(self.device) if gpu else None  # Ray's CUDA_VISIBLE_DEVICES: the physical GPU
         self.reference = ReferenceWorker(WorkerConfig(device=self.device, memory_gb=memory_gb))
         self.runners = []
         for _ in range(workers):
