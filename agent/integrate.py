@@ -221,6 +221,8 @@ def _side_by_side(runner: TrialRunner, folder: Path, ways: list[tuple[str, Candi
     for at in range(0, len(ways), PARALLEL_LOADS):
         batch = ways[at:at + PARALLEL_LOADS]
         runners = [runner if at == 0 and i == 0 else _sibling(runner, folder, lock) for i in range(len(batch))]
+        for r in runners:
+            r.siblings = runners
         try:
             t0 = time.monotonic()
             loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -71,6 +72,8 @@ class Worker:
         self.starts = 0
         self.isolation: dict[str, Any] = {}
         self.marker = ""
+        self._stopped_total = 0.0
+        self._stopped_since: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -135,9 +138,15 @@ class Worker:
             if not started.ok:
                 return started
         nonce = secrets.token_hex(8)
-        t0 = time.monotonic()
+        t0, stopped0 = time.monotonic(), self.stopped_seconds()
         try:
             protocol.send(self.sock, {**header, "nonce": nonce}, tensors, fds=fds)
+            # The time limit counts the worker's own time: seconds it spent stopped while a
+            # sibling timed (TrialRunner.siblings) are added to it.
+            while not select.select([self.sock], [], [], max(0.0, min(
+                    1.0, t0 + timeout + self.stopped_seconds() - stopped0 - time.monotonic())))[0]:
+                if time.monotonic() >= t0 + timeout + self.stopped_seconds() - stopped0:
+                    raise protocol.ChannelTimeout(f"no frame within {timeout:.0f} s")
             head, payload = protocol.recv(self.sock, timeout)
         except protocol.ChannelTimeout:
             self.kill()
@@ -184,6 +193,7 @@ class Worker:
         worker could otherwise load the machine only then, slowing the baseline it is compared
         with. Work it already queued on a GPU is beyond a signal's reach."""
         stopped: list[int] = []
+        self._stopped_since = time.monotonic()
         try:
             for pid in sorted(self.members() - {os.getpid()}):
                 try:
@@ -201,6 +211,13 @@ class Worker:
                     os.kill(pid, signal.SIGCONT)
                 except (ProcessLookupError, PermissionError):
                     pass
+            self._stopped_total += time.monotonic() - self._stopped_since
+            self._stopped_since = None
+
+    def stopped_seconds(self) -> float:
+        """Seconds this worker has spent stopped (`frozen`), the current stop included."""
+        since = self._stopped_since
+        return self._stopped_total + (time.monotonic() - since if since is not None else 0.0)
 
     def log_tail(self, n: int = 2000) -> str:
         try:

@@ -83,6 +83,9 @@ class TrialRunner:
         self.worker_starts_seen = -1
         self.phases: dict[str, float] = {}
         self._preloaded: _Preloaded | None = None
+        self.siblings: list[TrialRunner] = [self]
+        """Runners whose workers share this device (the executor sets one list for all of them):
+        stopped while this one times, so no sibling's compile or first calls run beside it."""
 
     # -- set-up ----------------------------------------------------------------------------
     def add_problem(self, folder: Path) -> LoadedProblem:
@@ -267,6 +270,15 @@ class TrialRunner:
     def _suspicious(self, c: Candidate, lp: LoadedProblem, reason: str, **extra: Any) -> Trial:
         self.worker.kill()
         return Trial(**self._base(c, lp), status=Status.suspicious, reason=reason, **extra)
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Every sibling's worker stopped while the block runs (this runner's own workers run)."""
+        with contextlib.ExitStack() as stack:
+            for other in self.siblings:
+                if other is not self and other.worker.alive:
+                    stack.enter_context(other.worker.frozen())
+            yield
 
     def close(self) -> None:
         self.worker.close()

@@ -1,6 +1,6 @@
 """Timing a verified candidate against the original, with nothing taken on the worker's word.
 
-Per workload, under the device lock:
+Per workload, under the device lock, with every sibling worker of the device stopped:
 
     warm-up: a few repetitions of each side (sizes the runs by what a repetition costs)
     for each round:
@@ -90,7 +90,7 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
     out = []
     for i, w in enumerate(lp.problem.workloads):
         t0 = time.monotonic()
-        with r.device_lock:
+        with r.device_lock, r.quiet():  # nothing of a sibling worker runs beside a timing
             out.append(_workload(r, lp, i, w.name, budget_ms))
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
     return out

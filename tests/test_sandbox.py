@@ -198,6 +198,61 @@ def test_the_candidates_worker_is_stopped_while_the_original_is_timed(runner, mo
     assert states["candidate"] and all("T" not in s for s in states["candidate"]), states["candidate"]
 
 
+def test_sibling_workers_are_stopped_while_one_times(runner, frozen_run):
+    """Workers of one device compile while another verifies, but nothing of theirs runs beside
+    a timing: every process of a sibling's worker is stopped (state T) for each timed run of
+    the original and the candidate, and goes on afterwards. Its time limits count its own
+    time: a load that needs 1 s of its CPU, stopped for 2 s of a 2 s limit, still finishes."""
+    from pathlib import Path as P
+    sibling = TrialRunner("cpu", Limits(compile_s=2, run_s=15, time_s=60, budget_ms=50, max_reps=20),
+                          WorkerConfig(device="cpu", memory_gb=6), reference=runner.reference)
+    sibling.add_problem(frozen_run / "LlamaRMSNorm")
+    runner.siblings = sibling.siblings = [runner, sibling]
+    states: list[set[str]] = []
+    try:
+        warm = sibling.run(Candidate(region="LlamaRMSNorm", source=OWN_FORWARD), do_time=False)
+        assert warm.status is Status.ok, warm.reason
+
+        def seen() -> set[str]:
+            return {P(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    for pid in sibling.worker.members()}
+
+        original = runner.reference.request
+
+        def spy(msg, *a, **k):
+            if msg.get("op") == "batch":
+                states.append(seen())
+            return original(msg, *a, **k)
+        runner.reference.request = spy
+        try:
+            trial = runner.run(Candidate(region="LlamaRMSNorm", source=OWN_FORWARD))
+        finally:
+            runner.reference.request = original
+        assert trial.status is Status.ok, trial.reason
+        assert states and all(s == {"T"} for s in states), states
+        assert "T" not in seen()
+        # The stopped-time accounting: a second of the worker's CPU, 2 s stopped, limit 2 s.
+        busy = ("import time\n_t = time.process_time()\nwhile time.process_time() - _t < 1.0:\n    pass\n"
+                + OWN_FORWARD)
+        stop = threading.Timer(0.2, lambda: _hold(sibling.worker, 2.0))
+        stop.start()
+        slow = sibling.run(Candidate(region="LlamaRMSNorm", source=busy), do_time=False)
+        stop.join()
+        assert slow.status is Status.ok, slow.reason
+    finally:
+        runner.siblings = [runner]
+        sibling.worker.close()
+
+
+OWN_FORWARD = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+
+
+def _hold(worker, seconds: float) -> None:
+    import time
+    with worker.frozen():
+        time.sleep(seconds)
+
+
 def test_worker_environment_is_scrubbed():
     from sandbox.isolation import worker_env
     env = worker_env({"PATH": "/bin", "OPENAI_API_KEY": "x", "TRITON_CACHE_DIR": "/c", "AWS_SECRET_ACCESS_KEY": "y",

@@ -121,6 +121,10 @@ class LocalExecutor:
                     r.add_problem(d)
                 self.runners.append(r)
                 self.lanes.append(s)
+        for s in slots:  # the workers of one device stop while one of them times
+            group = [r for r, lane in zip(self.runners, self.lanes) if lane.device == s.device]
+            for r in group:
+                r.siblings = group
         self.tokens = itertools.count()
         self.charged_until: dict[str, float] = {}
         self.charge_lock = threading.Lock()
