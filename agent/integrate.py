@@ -31,7 +31,7 @@ from agent.loop import load_history
 from agent.prompting import render_code
 from sandbox.client import WorkerConfig
 from sandbox.device_lock import DeviceLock
-from sandbox.runner import Limits, TrialRunner
+from sandbox.runner import Limits, TrialRunner, seed
 from tools.capture import MODEL_DIR
 from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
 from tools.modelfile import file_sha256
@@ -218,31 +218,42 @@ def _side_by_side(runner: TrialRunner, folder: Path, ways: list[tuple[str, Candi
     that share its reference worker and device lock): preloaded in batches of PARALLEL_LOADS,
     then each batch verified and timed one by one."""
     trials: dict[str, Trial] = {}
-    for at in range(0, len(ways), PARALLEL_LOADS):
-        batch = ways[at:at + PARALLEL_LOADS]
-        runners = [runner if at == 0 and i == 0 else _sibling(runner, folder, lock) for i in range(len(batch))]
-        for r in runners:
-            r.siblings = runners
-        try:
-            t0 = time.monotonic()
-            loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]
-            for t in loads:
-                t.start()
-            for t in loads:
-                t.join()
-            on_step(f"compiled {', '.join(n for n, _ in batch)} side by side in {time.monotonic() - t0:.0f}s")
-            for r, (name, c) in zip(runners, batch):
-                trial = trials[name] = r.run(c)
-                phases = ", ".join(f"{k} {v:.0f}s" for k, v in trial.phases.items() if v >= 0.5)
-                on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
-                        + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases}")
-                if r is not runner:
-                    r.worker.close()  # its device memory goes before the next one times
-        finally:
+    # One draw of fresh inputs and perturbed parameters for every way: each way's worker sees
+    # the seeds only when it is verified, and the original's answers are computed once.
+    draw = (seed(), seed())
+    try:
+        for at in range(0, len(ways), PARALLEL_LOADS):
+            batch = ways[at:at + PARALLEL_LOADS]
+            runners = [runner if at == 0 and i == 0 else _sibling(runner, folder, lock) for i in range(len(batch))]
             for r in runners:
-                if r is not runner:
+                r.siblings, r.verify_seeds = runners, draw
+            try:
+                _batch(runners, batch, trials, on_step)
+            finally:
+                for r in runners[1 if runners[0] is runner else 0:]:
                     r.worker.close()
+    finally:
+        runner.siblings, runner.verify_seeds = [runner], None
+        runner.reference.kept.clear()
     return trials
+
+
+def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trials: dict[str, Trial],
+           on_step: Callable[[str], None]) -> None:
+    t0 = time.monotonic()
+    loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]
+    for t in loads:
+        t.start()
+    for t in loads:
+        t.join()
+    on_step(f"compiled {', '.join(n for n, _ in batch)} side by side in {time.monotonic() - t0:.0f}s")
+    for i, (r, (name, c)) in enumerate(zip(runners, batch)):
+        trial = trials[name] = r.run(c)
+        phases = ", ".join(f"{k} {v:.0f}s" for k, v in trial.phases.items() if v >= 0.5)
+        on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
+                + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases}")
+        if i:
+            r.worker.close()  # its device memory goes before the next one times
 
 
 def _sibling(runner: TrialRunner, folder: Path, lock) -> TrialRunner:

@@ -10,6 +10,8 @@ again: nothing in it depends on a candidate.
 
 from __future__ import annotations
 
+import json
+
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,7 @@ class ReferenceWorker:
         self.lock = threading.RLock()
         self.problems: dict[str, Registered] = {}
         self.reference: dict[str, list[dict]] = {}
+        self.kept: dict[str, Reply] = {}
         self.registered_start = -1
         self.start_timeout = start_timeout
 
@@ -68,6 +71,19 @@ class ReferenceWorker:
                 reg.drift = _drift(reg.problem, self.reference[name], (reply.tensors or {}).get("outputs") or [])
             self.registered_start = self.worker.starts
             return None
+
+    def refs(self, problem: str, fresh: list[dict], perturb: dict, timeout: float, keep: bool = False) -> Reply:
+        """The original's outputs on fresh input sets and with perturbed parameters. `keep`: the
+        answer is kept for the next runner that asks for the same seeds (integration verifies
+        each way of running the model, each in a worker of its own, on one draw)."""
+        key = json.dumps([problem, fresh, perturb], sort_keys=True)
+        with self.lock:
+            if key in self.kept:
+                return self.kept[key]
+            reply = self.request({"op": "refs", "problem": problem, "fresh": fresh, "perturb": perturb}, timeout)
+            if keep and reply.ok:
+                self.kept[key] = reply
+            return reply
 
     def request(self, header: dict, timeout: float) -> Reply:
         with self.lock:

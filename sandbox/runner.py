@@ -83,6 +83,10 @@ class TrialRunner:
         self.worker_starts_seen = -1
         self.phases: dict[str, float] = {}
         self._preloaded: _Preloaded | None = None
+        self.verify_seeds: tuple[int, int] | None = None
+        """Fresh-input and perturbation seeds to verify with (default: drawn per trial). Set for
+        runners that verify several ways of running one model on one draw: the reference
+        worker's answer is computed once."""
         self.siblings: list[TrialRunner] = [self]
         """Runners whose workers share this device (the executor sets one list for all of them):
         stopped while this one times, so no sibling's compile or first calls run beside it."""
@@ -237,13 +241,12 @@ class TrialRunner:
     def _verify(self, c: Candidate, lp: LoadedProblem, reg) -> tuple[verify.Verdict | None, Trial | None]:
         lim, p = self.limits, lp.problem
         n = len(lp.reference)
-        s_fresh, s_perturb = seed(), seed()
+        s_fresh, s_perturb = self.verify_seeds or (seed(), seed())
         fresh = [{"set": i, "seed": s_fresh + 7 * i} for i in range(n)]
         perturb = {"set": _smallest_set(p), "seed": s_perturb}
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
         with self.device_lock:
-            refs = self.reference.request({"op": "refs", "problem": c.region, "fresh": fresh, "perturb": perturb},
-                                          timeout=lim.run_s)
+            refs = self.reference.refs(c.region, fresh, perturb, lim.run_s, keep=self.verify_seeds is not None)
             if not refs.ok:
                 return None, self._fail(c, lp, Reply(False, status="lost", error="the reference worker failed: "
                                                      f"{refs.status}: {refs.error}"))

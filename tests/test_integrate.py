@@ -204,8 +204,9 @@ class _FixedDtype(_DeepBF16):
 
 def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
     """Integration's ways of running the model are preloaded at once, each in a worker of its
-    own, and only then verified and timed, one after another: a failing way is its own trial,
-    the others are timed; a preloaded candidate is never mistaken for another one."""
+    own, and only then verified (on one draw of fresh inputs, the original's answers computed
+    once) and timed, one after another: a failing way is its own trial, the others are timed;
+    a preloaded candidate is never mistaken for another one."""
     import threading
     from agent.integrate import _side_by_side, compile_candidate, routed_candidate
     from sandbox.runner import TrialRunner
@@ -218,7 +219,21 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
         runner.add_problem(folder.path / "model")
         ways = [("tuned", routed_candidate([(rms, TRITON_RMSNORM.read_text())])),
                 ("broken", compile_candidate("no-such-mode")), ("untouched", routed_candidate([]))]
-        trials = _side_by_side(runner, folder.path / "model", ways, lock, steps.append)
+        asked: list[dict] = []
+        original = runner.reference.request
+
+        def spy(msg, *a, **k):
+            if msg.get("op") == "refs" and "perturb" in msg:
+                asked.append(msg)
+            return original(msg, *a, **k)
+        runner.reference.request = spy
+        try:
+            trials = _side_by_side(runner, folder.path / "model", ways, lock, steps.append)
+        finally:
+            runner.reference.request = original
+        # every way verified on one draw, whose references the reference worker computed once
+        assert len(asked) == 1, asked
+        assert not runner.reference.kept and runner.verify_seeds is None
         assert trials["tuned"].status.value == "ok" and trials["untouched"].status.value == "ok"
         assert trials["broken"].status.value in ("compile_error", "runtime_error"), trials["broken"].reason
         for name in ("tuned", "untouched"):
