@@ -19,7 +19,7 @@ Printed per N, from the run's store:
 - trials, the search's wall time (first trial start to last trial end) and trials per hour of it;
 - scaling efficiency: trials per hour on N / (N x trials per hour on 1);
 - GPU busy share per device: the share of the search wall time the device was held to verify or
-  time (trial.phases verify + time, by trial.device), min and mean over the N devices;
+  time (trial.phases refs + verify + time, by trial.device), min and mean over the N devices;
 - GPU-hours charged (sum of trial.gpu_seconds) against the cap, and the overrun per device in
   units of one trial's cost (median trial wall time without worker start): the target is <= 1,
   the cap never exceeded by more than one trial per device.
@@ -104,7 +104,7 @@ def analyze(run_dir: Path, devices: list[str], cap_hours: float) -> dict:
     search_wall = max(t.finished_at for t in trials) - start
     held: dict[str, float] = {d: 0.0 for d in devices}
     for t in trials:
-        held[t.device] = held.get(t.device, 0.0) + t.phases.get("verify", 0.0) + t.phases.get("time", 0.0)
+        held[t.device] = held.get(t.device, 0.0) + sum(t.phases.get(k, 0.0) for k in ("refs", "verify", "time"))
     busy = {d: s / search_wall if search_wall > 0 else 0.0 for d, s in held.items()}
     charged = sum(t.gpu_seconds for t in trials)
     trial_s = statistics.median(max(0.0, t.phases.get("wall", t.gpu_seconds) - t.phases.get("start", 0.0))

@@ -72,6 +72,11 @@ def one_run(out_dir: Path, hours: str, workers: int, extra: list[str]) -> dict:
             "nvml": statistics.mean(util) if util else None, **stats}
 
 
+def _held(t) -> float:
+    """Seconds the trial held the device lock: the original's answers, its verification, its timing."""
+    return t.phases.get("refs", 0.0) + t.phases.get("verify", 0.0) + t.phases.get("time", 0.0)
+
+
 def analyze(run_dir: Path) -> dict:
     """Efficiency and results of one run folder, from its store."""
     from tools.runfolder import RunFolder
@@ -79,7 +84,7 @@ def analyze(run_dir: Path) -> dict:
     trials = sorted(run.store(readonly=True).trials(), key=lambda t: t.finished_at)
     start = min(t.started_at for t in trials)
     search_wall = max(t.finished_at for t in trials) - start
-    held = sum(t.phases.get("verify", 0) + t.phases.get("time", 0) for t in trials)
+    held = sum(_held(t) for t in trials)
     charged = sum(t.gpu_seconds for t in trials)
     # Steady state: after the last worker (re)start, so start-up does not dilute the rate.
     started = [t.finished_at for t in trials if t.phases.get("start")]
@@ -87,12 +92,12 @@ def analyze(run_dir: Path) -> dict:
     steady = [t for t in trials if t.finished_at > steady_from]
     steady_wall = max(t.finished_at for t in trials) - steady_from
     steady_rate = len(steady) / (steady_wall / 3600) if steady and steady_wall > 0 else None
-    steady_lock = (sum(t.phases.get("verify", 0) + t.phases.get("time", 0) for t in steady) / steady_wall
+    steady_lock = (sum(_held(t) for t in steady) / steady_wall
                    if steady and steady_wall > 0 else None)
     phases = {}
-    for key in ("start", "load", "verify", "time", "verify_outputs", "wall"):
+    for key in ("start", "load", "refs", "verify", "time", "verify_outputs", "wall"):
         phases[key] = sum(t.phases.get(key, 0.0) for t in trials) / len(trials)
-    phases["judge+wait"] = phases["wall"] - sum(phases[k] for k in ("start", "load", "verify", "time",
+    phases["judge+wait"] = phases["wall"] - sum(phases[k] for k in ("start", "load", "refs", "verify", "time",
                                                                     "verify_outputs"))
     regions = []
     problems = run.problems()

@@ -246,7 +246,9 @@ class TrialRunner:
         perturb = {"set": _smallest_set(p), "seed": s_perturb}
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
         with self.device_lock:
+            t_refs = time.monotonic()
             refs = self.reference.refs(c.region, fresh, perturb, lim.run_s, keep=self.verify_seeds is not None)
+            self.phases["refs"] = time.monotonic() - t_refs  # the original's answers (0 when kept)
             if not refs.ok:
                 return None, self._fail(c, lp, Reply(False, status="lost", error="the reference worker failed: "
                                                      f"{refs.status}: {refs.error}"))
