@@ -40,6 +40,12 @@ con = Console(width=220)
 runs_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"nightshift-set-{os.getpid()}"
 rows = []
 env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+
+
+def step(line: str) -> None:
+    con.print(f"  [{time.strftime('%H:%M:%S')}] {line}", markup=False)
+
+
 for model in models:
     t0 = time.time()
     row = {"problem": model.stem}
@@ -61,7 +67,7 @@ for model in models:
     from tools.runfolder import RunFolder  # noqa: E402
     try:
         res = integrate(RunFolder.open(Path(summary["run"])), None, baselines=True, modes=["torch.compile"],
-                        cuda_graphs=False, on_step=lambda line: con.print(f"  [{time.strftime('%H:%M:%S')}] {line}", markup=False))
+                        cuda_graphs=False, on_step=step)
     except Exception as e:  # a model whose integration fails is a row with its reason, not the end
         row.update(error=f"integrate: {type(e).__name__}: {str(e)[:160]}")
         rows.append(row)
