@@ -278,10 +278,12 @@ class TrialRunner:
 
     @contextlib.contextmanager
     def quiet(self):
-        """Every sibling's worker stopped while the block runs (this runner's own workers run)."""
+        """Every sibling's worker stopped while the block runs (this runner's own workers run).
+        Only siblings that share this runner's device lock: ones that time beside it (CPU lanes
+        without a lock) would stop each other's timings, each waiting for the other's end."""
         with contextlib.ExitStack() as stack:
             for other in self.siblings:
-                if other is not self and other.worker.alive:
+                if other is not self and other.device_lock is self.device_lock and other.worker.alive:
                     stack.enter_context(other.worker.frozen())
             yield
 

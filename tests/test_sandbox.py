@@ -204,10 +204,12 @@ def test_sibling_workers_are_stopped_while_one_times(runner, frozen_run):
     the original and the candidate, and goes on afterwards. Its time limits count its own
     time: a load that needs 1 s of its CPU, stopped for 2 s of a 2 s limit, still finishes."""
     from pathlib import Path as P
+    lock, own_lock = threading.Lock(), runner.device_lock
     sibling = TrialRunner("cpu", Limits(compile_s=2, run_s=15, time_s=60, budget_ms=50, max_reps=20),
-                          WorkerConfig(device="cpu", memory_gb=6), reference=runner.reference)
+                          WorkerConfig(device="cpu", memory_gb=6), device_lock=lock, reference=runner.reference)
     sibling.add_problem(frozen_run / "LlamaRMSNorm")
     runner.siblings = sibling.siblings = [runner, sibling]
+    runner.device_lock = lock
     states: list[set[str]] = []
     try:
         warm = sibling.run(Candidate(region="LlamaRMSNorm", source=OWN_FORWARD), do_time=False)
@@ -231,6 +233,15 @@ def test_sibling_workers_are_stopped_while_one_times(runner, frozen_run):
         assert trial.status is Status.ok, trial.reason
         assert states and all(s == {"T"} for s in states), states
         assert "T" not in seen()
+        # Lanes that do not share a lock time side by side (CPU lanes): stopping each other's
+        # workers would have each wait for the other's end. They are left running.
+        runner.device_lock, states[:] = own_lock, []
+        runner.reference.request = spy
+        try:
+            trial = runner.run(Candidate(region="LlamaRMSNorm", source=OWN_FORWARD))
+        finally:
+            runner.reference.request = original
+        assert trial.status is Status.ok and states and all("T" not in s for s in states), states
         # The stopped-time accounting: a second of the worker's CPU, 2 s stopped, limit 2 s.
         busy = ("import time\n_t = time.process_time()\nwhile time.process_time() - _t < 1.0:\n    pass\n"
                 + OWN_FORWARD)
@@ -240,7 +251,7 @@ def test_sibling_workers_are_stopped_while_one_times(runner, frozen_run):
         stop.join()
         assert slow.status is Status.ok, slow.reason
     finally:
-        runner.siblings = [runner]
+        runner.siblings, runner.device_lock = [runner], own_lock
         sibling.worker.close()
 
 
