@@ -250,8 +250,12 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
     for i, (r, (name, c)) in enumerate(zip(runners, batch)):
         trial = trials[name] = r.run(c)
         phases = ", ".join(f"{k} {v:.0f}s" for k, v in trial.phases.items() if v >= 0.5)
+        # Each workload's numbers as soon as they exist: a run stopped later still has them.
+        per = "; ".join(f"{t.workload} {t.baseline_ms:.4g} -> {t.candidate_ms:.4g} ms ±{t.noise_band:.1%}"
+                        for t in trial.timings)
         on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
-                + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases}")
+                + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases}"
+                + (f"\n    {per}" if per else ""))
         if i:
             r.worker.close()  # its device memory goes before the next one times
 
