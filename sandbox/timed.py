@@ -248,7 +248,9 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             return [per_call] * reps, bound / reps, lead
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
                       f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call): "
-                      "forged timings")
+                      f"forged timings (the original's run beside it: events {sum(b_samples) / reps:.4g} ms per "
+                      f"call, wall {wall_b / reps:.4g} ms per repetition; the candidate's wall "
+                      f"{wall_c / reps:.4g} ms; {reps} repetitions, lead {lead:.3g} ms)")
     raise AssertionError("unreachable")
 
 
