@@ -228,10 +228,11 @@ def _side_by_side(runner: TrialRunner, folder: Path, ways: list[tuple[str, Candi
             for r in runners:
                 r.siblings, r.verify_seeds = runners, draw
             try:
-                _batch(runners, batch, trials, on_step)
-            finally:
-                for r in runners[1 if runners[0] is runner else 0:]:
-                    r.worker.close()
+                _batch(runners, batch, trials, on_step, keep=runner)
+            finally:  # also when a way raised
+                for r in runners:
+                    if r is not runner:
+                        r.worker.close()
     finally:
         runner.siblings, runner.verify_seeds = [runner], None
         runner.reference.kept.clear()
@@ -239,7 +240,9 @@ def _side_by_side(runner: TrialRunner, folder: Path, ways: list[tuple[str, Candi
 
 
 def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trials: dict[str, Trial],
-           on_step: Callable[[str], None]) -> None:
+           on_step: Callable[[str], None], keep: TrialRunner) -> None:
+    """Preload the batch's ways at once, then verify and time each; every worker but `keep`'s
+    is closed after its trial, so its device memory goes before the next one times."""
     t0 = time.monotonic()
     loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]
     for t in loads:
@@ -247,7 +250,7 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
     for t in loads:
         t.join()
     on_step(f"compiled {', '.join(n for n, _ in batch)} side by side in {time.monotonic() - t0:.0f}s")
-    for i, (r, (name, c)) in enumerate(zip(runners, batch)):
+    for r, (name, c) in zip(runners, batch):
         trial = trials[name] = r.run(c)
         phases = ", ".join(f"{k} {v:.0f}s" for k, v in trial.phases.items() if v >= 0.5)
         # Each workload's numbers as soon as they exist: a run stopped later still has them.
@@ -256,8 +259,8 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
         on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
                 + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases}"
                 + (f"\n    {per}" if per else ""))
-        if i:
-            r.worker.close()  # its device memory goes before the next one times
+        if r is not keep:
+            r.worker.close()
 
 
 def _sibling(runner: TrialRunner, folder: Path, lock) -> TrialRunner:

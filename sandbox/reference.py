@@ -11,7 +11,6 @@ again: nothing in it depends on a candidate.
 from __future__ import annotations
 
 import json
-
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path

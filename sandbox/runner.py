@@ -89,7 +89,7 @@ class TrialRunner:
         worker's answer is computed once."""
         self.siblings: list[TrialRunner] = [self]
         """Runners whose workers share this device (the executor sets one list for all of them):
-        stopped while this one times, so no sibling's compile or first calls run beside it."""
+        those under the same device lock are stopped while this one times (`quiet`)."""
 
     # -- set-up ----------------------------------------------------------------------------
     def add_problem(self, folder: Path) -> LoadedProblem:
@@ -225,8 +225,8 @@ class TrialRunner:
         if bad is not None:
             return self._fail(c, lp, Reply(False, status="lost", error=bad.error))
         self.members_before = self.worker.members()
-        if self.reference.problems[c.region].drift:
-            return self._fail(c, lp, Reply(False, status="lost", error=self.reference.problems[c.region].drift))
+        if drift := self.reference.problems[c.region].drift:
+            return self._fail(c, lp, Reply(False, status="lost", error=drift))
         lim = self.limits
         reply = self.worker.request({"op": "load", "problem": c.region, "source": c.source, "hash": c.hash},
                                     timeout=lim.compile_s)

@@ -121,8 +121,8 @@ class LocalExecutor:
                     r.add_problem(d)
                 self.runners.append(r)
                 self.lanes.append(s)
-        for s in slots:  # the workers of one GPU stop while one of them times (under its lock)
-            group = [r for r, lane in zip(self.runners, self.lanes) if lane.device == s.device and s.device in locks]
+        for s in slots:  # the workers of one device stop while one of them times (TrialRunner.quiet)
+            group = [r for r, lane in zip(self.runners, self.lanes) if lane.device == s.device]
             for r in group:
                 r.siblings = group
         self.tokens = itertools.count()

@@ -165,7 +165,7 @@ class TrialActor:
             for f in folders:
                 r.add_problem(f)
             self.runners.append(r)
-        for r in self.runners if lock is not None else []:  # one GPU: the others stop while one times
+        for r in self.runners:  # one device: the others stop while one times (TrialRunner.quiet)
             r.siblings = self.runners
         self.busy: set[int] = set()
         self.started: dict[int, tuple[str, float]] = {}
