@@ -5,6 +5,7 @@ seeded draws that two workers must agree on bit for bit."""
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -207,3 +208,53 @@ def test_without_bubblewrap_a_worker_still_runs_and_says_what_is_not_isolated(fr
         assert runner.worker.isolation["kind"] == "none"
     finally:
         runner.close()
+
+
+def _clocked_run(monkeypatch, original_ms: float, harness_ms: float, candidate_ms: float, claimed_ms: float,
+                 candidate_harness_ms: float | None = None, reps: int = 100):
+    """`_candidate_run` with scripted replies and walls (a CUDA run of `reps` repetitions, the
+    harness's work per repetition around each call): what it returns as the candidate's samples."""
+    from types import SimpleNamespace
+
+    from sandbox import timed
+    from sandbox.client import Reply
+    from sandbox.runner import Limits
+    ch = harness_ms if candidate_harness_ms is None else candidate_harness_ms
+    rc = Reply(ok=True, header={"samples": [claimed_ms] * reps, "checksums": [1.0] * reps, "timing_kind": "cuda",
+                                "gaps": [harness_ms] * (reps - 1)})
+    monkeypatch.setattr(timed, "_batch", lambda *a, **k: (rc, reps * (ch + candidate_ms)))
+    rb = Reply(ok=True, header={"samples": [original_ms] * reps, "timing_kind": "cuda", "host_calls_ms": 0.0,
+                                "gaps": [harness_ms] * (reps - 1)})
+    r = SimpleNamespace(limits=Limits(), worker=None, reference=None, phases={}, last_checksums=None)
+    lp = SimpleNamespace(problem=SimpleNamespace(name="p", is_whole_model=False))
+    samples, per_call, _ = timed._candidate_run(r, lp, {"reps": reps}, rb, reps * (harness_ms + original_ms), 0.0, 0.0)
+    return samples, per_call, r.phases
+
+
+def test_a_small_call_beside_a_large_harness_is_timed_by_the_clock_not_squashed_toward_one(monkeypatch):
+    # A 0.21 ms decode call against a 2.4 ms original, each repetition wrapped in 4 ms of the
+    # harness's own work, which runs 0.3 ms slower in the candidate's process: its events cannot
+    # be confirmed, so it is timed by the clock (0.51 ms a call, 4.7x), not wall against wall
+    # (2.4 x 4.51 / 6.4 = 1.69 ms a call, 1.4x). Never below what its events claimed.
+    samples, per_call, phases = _clocked_run(monkeypatch, original_ms=2.4, harness_ms=4.0, candidate_ms=0.21,
+                                             claimed_ms=0.21, candidate_harness_ms=4.3)
+    assert "host_bound" in phases
+    assert per_call == pytest.approx(0.51, rel=1e-6)
+    assert statistics.median(samples) == pytest.approx(0.51, rel=1e-6)
+    assert 2.4 / statistics.median(samples) > 4.5
+    assert min(samples) >= 0.21
+
+
+def test_events_that_claim_less_than_the_clock_saw_are_never_what_is_ranked(monkeypatch):
+    from sandbox import timed
+    # The calls take 0.5 ms by the clock, the events claim 0.1: ranked at the clock's 0.5.
+    samples, per_call, phases = _clocked_run(monkeypatch, original_ms=2.4, harness_ms=0.5, candidate_ms=0.5,
+                                             claimed_ms=0.1)
+    assert statistics.median(samples) == pytest.approx(0.5, rel=1e-6) and "host_bound" in phases
+    # Under a tenth of it: forged, refused outright.
+    with pytest.raises(timed.Refused, match="forged timings") as e:
+        _clocked_run(monkeypatch, original_ms=2.4, harness_ms=0.5, candidate_ms=0.5, claimed_ms=0.02)
+    assert e.value.kind == "suspicious"
+    # Events the clock confirms are taken as they are.
+    samples, _, phases = _clocked_run(monkeypatch, original_ms=2.4, harness_ms=0.5, candidate_ms=0.5, claimed_ms=0.5)
+    assert samples == [0.5] * 100 and "host_bound" not in phases
