@@ -8,11 +8,13 @@
 # checkout (the device tool re-sends the checkout on each call; a running bench must not see its
 # files change underneath it). Each step's output: RESULTS/name.log; the timeline:
 # RESULTS/progress.log. `collect` packs what is small enough to come back into one archive.
+# Make each next device call at once: a machine left idle for 30 s goes back, and the running
+# chain and everything under RESULTS go with it (lost a traffic run on 2026-12-02).
 set -u
 res=${1:?results folder}
 if [ "${2:-}" = collect ]; then
     cd "$res" && find . -path ./repo -prune -o -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' \
-        -o -name '*.md' -o -name '*.txt' \) -size -4M -print | tar czf "${3:?archive}" -T -
+        -o -name '*.md' -o -name '*.txt' -o -name '*.sqlite' \) -size -4M -print | tar czf "${3:?archive}" -T -
     exit
 fi
 steps=${2:?steps file}

@@ -251,6 +251,31 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
         runner.close()
 
 
+def test_every_check_of_the_model_is_on_one_draw_whose_answers_are_computed_once(run, tmp_path, monkeypatch):
+    """The winners routed in one by one and then the tuned model: three verifications of the
+    whole model, one request for the original's answers (they are gigabytes a set with a KV
+    cache, so computing them per check cost integration minutes on the H200)."""
+    from agent.integrate import integrate
+    from sandbox.reference import ReferenceWorker
+    folder, (biased, triton, _) = run
+    shutil.copytree(folder.path, tmp_path / "run")
+    asked: list[dict] = []
+    original = ReferenceWorker.request
+
+    def spy(self, msg, *a, **k):
+        if msg.get("op") == "refs" and "perturb" in msg:
+            asked.append(msg)
+        return original(self, msg, *a, **k)
+    monkeypatch.setattr(ReferenceWorker, "request", spy)
+    steps: list[str] = []
+    result = integrate(tmp_path / "run", "cpu", baselines=False, on_step=steps.append)
+    assert [(a.region, a.candidate_hash) for a in result.accepted] == [("RMSNorm", triton)]
+    routed = [s for s in steps if " routed in: " in s]
+    assert [s.split()[1] for s in routed] == [biased, triton] and "verify " in routed[1], routed
+    assert [s.split(":")[0] for s in steps if not s.startswith(("RMSNorm", "compiled"))] == ["tuned"], steps
+    assert len(asked) == 1, asked
+
+
 def test_e2e_tolerance_is_calibrated_on_the_models_own_rounding_error():
     from tools.capture import calibrated_tolerance
     model = _DeepBF16().to(torch.bfloat16)

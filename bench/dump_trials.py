@@ -1,0 +1,24 @@
+"""Every trial of run folders, with each workload's timing and noise band (for reading a GPU
+run's numbers where the report only shows the best).
+
+    python bench/dump_trials.py FOLDER...   (run folders, or folders holding runs/*)
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.store import Store  # noqa: E402
+
+for arg in sys.argv[1:]:
+    root = Path(arg)
+    for path in sorted([root / "trials.sqlite"] if (root / "trials.sqlite").exists() else root.rglob("trials.sqlite")):
+        print(path)
+        for t in Store(path, readonly=True).trials():
+            band = "-" if t.noise_band is None else f"{t.noise_band:.3f}"
+            print(f"  {t.region} {t.candidate_hash} {t.generation} {t.status.value} speedup {t.speedup} band {band}"
+                  f" {(t.reason or '')[:160]}")
+            for w in t.timings or []:
+                print(f"    {w.workload}: original {w.baseline_ms:.4f} candidate {w.candidate_ms:.4f} ms "
+                      f"({w.speedup:.2f}x) band {w.noise_band:.3f} original's rounds "
+                      f"{[round(x, 4) for x in w.baseline_runs]} parent {w.parent_ms}")
