@@ -105,10 +105,10 @@ SUBSET = {"timed_call_counter", "timed_stack_inspection", "perf_counter_restored
           "content_cache", "cached_copy", "forges_reply", "forges_store_row", "edits_tolerance", "edits_model_file",
           "reads_parent_environ", "reads_secret_files", "setsid_grandchild", "signals_parent", "stale_memory",
           "uninitialized", "mutates_input", "side_stream", "side_stream_joined", "poisons_triton_cache",
-          "oob_kernel", "allocates_forever", "cached"}
+          "oob_kernel", "allocates_forever", "cached", "queues_gpu_work_when_idle"}
 SUBSET2 = {"edits_model_file", "edits_tolerance", "forges_store_row", "reads_secret_files", "setsid_grandchild",
            "signals_parent", "reads_parent_environ", "side_stream", "side_stream_joined", "poisons_triton_cache",
-           "timed_call_counter", "fakes_events_restored"}
+           "timed_call_counter", "fakes_events_restored", "queues_gpu_work_when_idle"}
 if "--subset" in sys.argv:
     files = [f for f in files if f.stem in SUBSET]
 ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
@@ -142,11 +142,16 @@ def judge_file(path: Path, lane_runner: TrialRunner) -> tuple:
     lane_runner.limits = lim
     leaked = [s for s in ("sk-ant", CANARY, "[core]") if s in trial.model_dump_json()]
     alive = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    ok = trial.status.value in want and not leaked and not alive
-    log.write(f"{path.name}: {trial.status.value} {trial.reason}\n{trial.error_text[-1500:]}\n\n")
+    # NOT_A_WIN: right answers and a speed that is not its own; it must never read faster.
+    false_win = "NOT_A_WIN" in text and trial.win
+    ok = trial.status.value in want and not leaked and not alive and not false_win
+    log.write(f"{path.name}: {trial.status.value} {trial.reason} (speedup {trial.speedup}, band {trial.noise_band}, "
+              f"flags {trial.flags})\n{trial.error_text[-1500:]}\n\n")
     log.flush()
     return (path.parent.name + "/" + path.stem, "|".join(sorted(want)), trial.status.value,
-            "yes" if ok else "NO", f"{took:.1f}", (trial.reason or "")[:90], ",".join(leaked), len(alive))
+            "yes" if ok else "NO", f"{took:.1f}",
+            (f"READ AS A WIN: {trial.speedup:.2f}x, band {trial.noise_band:.3f}; " if false_win else "")
+            + (trial.reason or "")[:90], ",".join(leaked), len(alive))
 
 
 t_suite = time.time()
