@@ -162,7 +162,9 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
 def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file: profile, freeze, then search."),
          resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder, with the "
                                                "settings it was started with (flags given override them)."),
-         planner: Optional[str] = typer.Option(None, help="template (default), compiler (torch.compile modes and options), anthropic, openai, files, or "
+         planner: Optional[str] = typer.Option(None, help="auto (default: templates, then torch.compile's candidates "
+                                               "for a region the templates have nothing new for), template, compiler "
+                                               "(torch.compile modes and options), anthropic, openai, files, or "
                                                "several: template,anthropic."),
          llm_model: Optional[str] = typer.Option(None, help="Model for LLM planners (default: "
                                                  "$NIGHTSHIFT_ANTHROPIC_MODEL / $NIGHTSHIFT_OPENAI_MODEL)."),

@@ -257,8 +257,8 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
     for r, (name, c) in zip(runners, batch):
         trial = trials[name] = r.run(c)
         # Each workload's numbers as soon as they exist: a run stopped later still has them.
-        per = "; ".join(f"{t.workload} {t.baseline_ms:.4g} -> {t.candidate_ms:.4g} ms ±{t.noise_band:.1%}"
-                        for t in trial.timings)
+        per = "\n    ".join(f"{t.workload} {t.baseline_ms:.4g} -> {t.candidate_ms:.4g} ms ±{t.noise_band:.1%} "
+                            f"({t.band_parts()})" for t in trial.timings)
         on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
                 + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {_phases(trial)}"
                 + (f"\n    {per}" if per else ""))

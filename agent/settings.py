@@ -23,8 +23,9 @@ SETTINGS_KEY = "tune"
 class TuneSettings(BaseModel):
     """How a run is searched; every field maps to one `agent tune` flag."""
 
-    planner: str = "template"
-    """--planner: template, compiler, anthropic, openai, files, or several (template,compiler)."""
+    planner: str = "auto"
+    """--planner: auto (template, then compiler where templates have nothing new), template,
+    compiler, anthropic, openai, files, or several (template,compiler)."""
     llm_model: str | None = None
     """--llm-model for the LLM planners."""
     base_url: str | None = None

@@ -176,7 +176,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
                           baseline_spread=base.spread, candidate_spread=cnd.spread, reps=cnd.reps,
                           speedup=base.median_ms / max(cnd.median_ms, 1e-9), timing_kind=kind,
                           noise_band=band, parent_ms=statistics.median(parent),
-                          baseline_runs=medians)
+                          baseline_runs=medians, candidate_runs=cand_medians, controls=aa)
 
 
 def ab_band(base_medians: list[float], cand_medians: list[float], controls: list[float], kind: str) -> float:

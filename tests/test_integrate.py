@@ -243,6 +243,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
         assert steps[0].startswith("compiled tuned, broken, untouched side by side")
         assert [s.split(":")[0] for s in steps[1:]] == ["tuned", "broken", "untouched"]
         assert "rows8 " in steps[1] and " ms ±" in steps[1]  # each way's workloads as it ends
+        assert "(original " in steps[1] and ", ratio " in steps[1]  # and what set each band
         # A preload of one candidate does not stand in for another: the next is loaded afresh.
         runner.preload(compile_candidate("no-such-mode"))
         again = runner.run(routed_candidate([]), do_time=False)

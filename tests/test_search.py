@@ -241,3 +241,36 @@ def test_the_genetic_search_walks_the_rest_of_a_space_before_saying_it_is_empty(
 def test_a_space_with_a_parameter_of_no_values_is_refused_by_name():
     with pytest.raises(ValueError, match="BLOCK_N without any value"):
         Space.of({"BLOCK_N": (), "num_warps": (4,)})
+
+
+# -- the default planner: templates, then the compiler ------------------------------------------
+@pytest.mark.parametrize("model, first", [("conv_relu.py", "compiler"), ("tiny_rmsnorm.py", "template")])
+def test_auto_searches_a_region_no_template_fits_and_goes_on_when_templates_run_dry(tmp_path, model, first):
+    """`auto` (the default): a convolution gets torch.compile's candidates, where the template
+    planner alone has none (0 of 0); an RMSNorm gets its templates first, and the compiler's
+    candidates whenever the templates have nothing new; the run ends only when both spaces are
+    spent, and says their size."""
+    from agent.jobs import profile_and_freeze
+    from agent.planners import make_planner
+    res = profile_and_freeze(ROOT / "tests" / "models" / model, "cpu", None, tmp_path / "runs")
+    problems = res.problems[:1]
+    history = History({p.name: ["cpu"] for p in problems})
+    planner = make_planner("auto", device="cpu")
+    lanes = FakeLanes(2)
+    outcome, _, history = run_fake(tmp_path, planner, lanes, StopRule(max_candidates=100000, patience=100000),
+                                   problems, history)
+    sizes = [p.coverage(problems[0], History()) for p in planner.planners]
+    total = sum(s for _, s in sizes)
+    assert (sizes[0][1] == 0) == (first == "compiler") and sizes[1][1] > 0
+    assert outcome.stop_reason == f"search space exhausted: {total} of {total} candidates tried"
+    by_planner = [t.planner for t in sorted(history.trials, key=lambda t: t.started_at)]
+    assert by_planner[0] == first and by_planner.count("compiler") == sizes[1][1]
+    # (after the first, the two interleave: whenever every template point is in flight or
+    # waiting on results, a lane takes a compile candidate rather than idle)
+
+
+def test_auto_and_one_of_its_own_planners_together_is_a_clear_error():
+    from agent.planners import PlannerError, make_planner
+    with pytest.raises(PlannerError, match="auto is template then compiler already"):
+        make_planner("auto,template", device="cpu")
+    assert make_planner("auto,files", device="cpu", inbox=Path("/nonexistent")).name == "auto,files"

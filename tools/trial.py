@@ -84,6 +84,22 @@ class WorkloadTiming(BaseModel):
     minus empty runs of the same shape): the claimed time may not be much below it."""
     baseline_runs: list[float] = Field(default_factory=list)
     """Median of each run of the original (the A/A samples behind `noise_band`)."""
+    candidate_runs: list[float] = Field(default_factory=list)
+    """Median of each run of the candidate, round by round beside `baseline_runs`."""
+    controls: list[float] = Field(default_factory=list)
+    """The original in the candidate's worker over the original in the reference worker, per
+    control run (the cross-process part of `noise_band`)."""
+
+    def band_parts(self) -> str:
+        """What set the band: each side's spread over its runs, their paired ratios' spread, and
+        the widest cross-process control (for reading a wide band, not for deciding anything)."""
+        from tools.timing import noise_band
+        ratios = [c / b for c, b in zip(self.candidate_runs, self.baseline_runs) if b > 0]
+        parts = [("original", noise_band(self.baseline_runs, self.timing_kind) if len(self.baseline_runs) > 1 else None),
+                 ("candidate", noise_band(self.candidate_runs, self.timing_kind) if len(self.candidate_runs) > 1 else None),
+                 ("ratio", noise_band(ratios, self.timing_kind) if len(ratios) > 1 else None),
+                 ("control", max((max(x, 1 / x) - 1 for x in self.controls if x > 0), default=None))]
+        return ", ".join(f"{k} {v:.1%}" for k, v in parts if v is not None)
 
     @property
     def verdict(self) -> str:

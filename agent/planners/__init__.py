@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from agent.planners.base import Combined, Planner, PlannerError, PlannerFailed
+from agent.planners.base import Combined, Fallback, Planner, PlannerError, PlannerFailed
 
-__all__ = ["Combined", "Planner", "PlannerError", "PlannerFailed", "make_planner", "planner_names", "PLANNERS"]
+__all__ = ["Combined", "Fallback", "Planner", "PlannerError", "PlannerFailed", "make_planner", "planner_names", "PLANNERS"]
 
-PLANNERS = ("template", "compiler", "files", "anthropic", "openai")
+PLANNERS = ("auto", "template", "compiler", "files", "anthropic", "openai")
+AUTO = ("template", "compiler")
+"""`auto`: the template planner, and the compiler planner for a region it has nothing new for."""
 
 
 def planner_names(spec: str) -> list[str]:
@@ -17,13 +19,16 @@ def planner_names(spec: str) -> list[str]:
         raise PlannerError(f"unknown planner {', '.join(unknown) or spec!r}: choose from {', '.join(PLANNERS)}")
     if len(set(names)) != len(names):
         raise PlannerError(f"--planner {spec!r} names a planner twice")
+    if "auto" in names and set(AUTO) & set(names):
+        raise PlannerError(f"--planner {spec!r}: auto is {' then '.join(AUTO)} already; name either, not both")
     return names
 
 
 def make_planner(spec: str, **options) -> Planner:
-    """`template`, `compiler`, `files`, `anthropic`, `openai`, or several joined by commas. LLM planners
+    """`auto`, `template`, `compiler`, `files`, `anthropic`, `openai`, or several joined by commas. LLM planners
     need their API key; a missing key is an error, never a silent switch to another planner."""
-    planners = [_build(name, options) for name in planner_names(spec)]
+    planners = [Fallback([_build(n, options) for n in AUTO], options.get("on_failure", lambda e: None))
+                if name == "auto" else _build(name, options) for name in planner_names(spec)]
     return planners[0] if len(planners) == 1 else Combined(planners, options.get("on_failure", lambda e: None))
 
 

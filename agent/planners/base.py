@@ -62,3 +62,36 @@ class Combined:
         if len(self.failed) == len(self.planners):
             raise self.failed[live[-1].name] if live else next(iter(self.failed.values()))
         return out
+
+
+class Fallback(Combined):
+    """The first planner; the next one only for a region the first has nothing new for right now
+    (no template fits it, every fit was spent or proved to compute something else, or all of its
+    points are in flight). The default, `auto`: templates, then torch.compile's candidates, so a
+    region no template fits (a KernelBench level-2 chain, a convolution) is still searched, and a
+    GPU whose templates have run dry keeps working."""
+
+    def __init__(self, planners: list[Planner], on_failure: Callable[[PlannerFailed], None] = lambda e: None,
+                 name: str = "auto"):
+        super().__init__(planners, on_failure)
+        self.name = name
+
+    def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
+        live = [p for p in self.planners if p.name not in self.failed]
+        for p in live:
+            try:
+                got = p.propose(problem, history, n)
+            except Exception as e:  # noqa: BLE001 - as in Combined
+                self.failed[p.name] = PlannerFailed(p.name, e)
+                self.on_failure(self.failed[p.name])
+                continue
+            if got:
+                return got
+        if len(self.failed) == len(self.planners):
+            raise self.failed[live[-1].name] if live else next(iter(self.failed.values()))
+        return []
+
+    def coverage(self, problem: Problem, history: History) -> tuple[int, int]:
+        """(candidates tried, size) over its planners' spaces together."""
+        parts = [p.coverage(problem, history) for p in self.planners]
+        return sum(t for t, _ in parts), sum(s for _, s in parts)
