@@ -21,5 +21,6 @@ for arg in sys.argv[1:]:
             for w in t.timings or []:
                 print(f"    {w.workload}: original {w.baseline_ms:.4f} candidate {w.candidate_ms:.4f} ms "
                       f"({w.speedup:.2f}x) band {w.noise_band:.3f} original's rounds "
-                      f"{[round(x, 4) for x in w.baseline_runs]}, candidate's {[round(x, 4) for x in w.candidate_runs]}, "
+                      f"{[round(x, 4) for x in w.baseline_runs]}, "
+                      f"candidate's {[round(x, 4) for x in w.candidate_runs]}, "
                       f"controls {[round(x, 3) for x in w.controls]}; parent {w.parent_ms}; band from {w.band_parts()}")

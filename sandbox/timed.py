@@ -237,15 +237,14 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             # shapes, several launches, Python between kernels), work off the timed stream, or
             # the harness's own jitter where it dwarfs the calls (a 0.2 ms decode call beside a
             # 460 MB KV cache copied and checksummed every repetition). The events are not
-            # trusted: the candidate's calls took what the clock saw, each sample scaled up to
-            # that, never below what the events claimed. Wall against wall, as before, counts
-            # the harness on both sides and squashes a small call's speedup toward 1x: on the
-            # H200 a 7.14x decode kernel came out of its trial with a band too wide to be a win,
-            # most likely from such rounds, and integration never tried it.
+            # trusted, nor their shape: each call took what the clock saw per call (more than
+            # the events claimed, or this branch is not reached). Wall against wall, as before,
+            # counts the harness on both sides and squashes a small call's speedup toward 1x: on
+            # the H200 a 7.14x decode kernel came out of its trial with a band too wide to be a
+            # win, most likely from such rounds, and integration never tried it.
             r.last_checksums = [float(x) for x in sums]
             r.phases["host_bound"] = min(r.phases.get("host_bound", 1.0), claimed / max(bound, 1e-9))
-            scale = bound / max(claimed, 1e-9)
-            return [x * scale for x in samples], bound / reps, lead
+            return [bound / reps] * reps, bound / reps, lead
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
                       f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call): "
                       f"forged timings (the original's run beside it: events {sum(b_samples) / reps:.4g} ms per "

@@ -211,7 +211,7 @@ def test_without_bubblewrap_a_worker_still_runs_and_says_what_is_not_isolated(fr
 
 
 def _clocked_run(monkeypatch, original_ms: float, harness_ms: float, candidate_ms: float, claimed_ms: float,
-                 candidate_harness_ms: float | None = None, reps: int = 100):
+                 candidate_harness_ms: float | None = None, reps: int = 100, claimed: list[float] | None = None):
     """`_candidate_run` with scripted replies and walls (a CUDA run of `reps` repetitions, the
     harness's work per repetition around each call): what it returns as the candidate's samples."""
     from types import SimpleNamespace
@@ -220,8 +220,8 @@ def _clocked_run(monkeypatch, original_ms: float, harness_ms: float, candidate_m
     from sandbox.client import Reply
     from sandbox.runner import Limits
     ch = harness_ms if candidate_harness_ms is None else candidate_harness_ms
-    rc = Reply(ok=True, header={"samples": [claimed_ms] * reps, "checksums": [1.0] * reps, "timing_kind": "cuda",
-                                "gaps": [harness_ms] * (reps - 1)})
+    rc = Reply(ok=True, header={"samples": claimed or [claimed_ms] * reps, "checksums": [1.0] * reps,
+                                "timing_kind": "cuda", "gaps": [harness_ms] * (reps - 1)})
     monkeypatch.setattr(timed, "_batch", lambda *a, **k: (rc, reps * (ch + candidate_ms)))
     rb = Reply(ok=True, header={"samples": [original_ms] * reps, "timing_kind": "cuda", "host_calls_ms": 0.0,
                                 "gaps": [harness_ms] * (reps - 1)})
@@ -243,6 +243,10 @@ def test_a_small_call_beside_a_large_harness_is_timed_by_the_clock_not_squashed_
     assert statistics.median(samples) == pytest.approx(0.51, rel=1e-6)
     assert 2.4 / statistics.median(samples) > 4.5
     assert min(samples) >= 0.21
+    # The events' shape is not trusted either: a few zeros among them buy no median of zero.
+    samples, _, _ = _clocked_run(monkeypatch, original_ms=2.4, harness_ms=0.5, candidate_ms=0.5, claimed_ms=0.0,
+                                 claimed=[0.0] * 60 + [0.5] * 40)
+    assert samples == [pytest.approx(0.5)] * 100
 
 
 def test_events_that_claim_less_than_the_clock_saw_are_never_what_is_ranked(monkeypatch):

@@ -95,9 +95,9 @@ class WorkloadTiming(BaseModel):
         the widest cross-process control (for reading a wide band, not for deciding anything)."""
         from tools.timing import noise_band
         ratios = [c / b for c, b in zip(self.candidate_runs, self.baseline_runs) if b > 0]
-        parts = [("original", noise_band(self.baseline_runs, self.timing_kind) if len(self.baseline_runs) > 1 else None),
-                 ("candidate", noise_band(self.candidate_runs, self.timing_kind) if len(self.candidate_runs) > 1 else None),
-                 ("ratio", noise_band(ratios, self.timing_kind) if len(ratios) > 1 else None),
+        def band(xs: list[float]) -> float | None:
+            return noise_band(xs, self.timing_kind) if len(xs) > 1 else None
+        parts = [("original", band(self.baseline_runs)), ("candidate", band(self.candidate_runs)), ("ratio", band(ratios)),
                  ("control", max((max(x, 1 / x) - 1 for x in self.controls if x > 0), default=None))]
         return ", ".join(f"{k} {v:.1%}" for k, v in parts if v is not None)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from agent.planners.base import Combined, Fallback, Planner, PlannerError, PlannerFailed
 
-__all__ = ["Combined", "Fallback", "Planner", "PlannerError", "PlannerFailed", "make_planner", "planner_names", "PLANNERS"]
+__all__ = ["Combined", "Fallback", "Planner", "PlannerError", "PlannerFailed", "make_planner", "planner_names",
+           "PLANNERS"]
 
 PLANNERS = ("auto", "template", "compiler", "files", "anthropic", "openai")
 AUTO = ("template", "compiler")
