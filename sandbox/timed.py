@@ -17,7 +17,8 @@ Per workload, under the device lock, with every sibling worker of the device sto
   the tuner's own clock. Its claimed total may not be far below that: a forged timer, patched
   statistics, a forged reply or work hidden on another stream all show there. A run that
   drained (the host fell behind the device, so the clock saw idle time) is run again with a
-  longer lead before that is concluded.
+  longer lead before that is concluded. Events that cover clearly less than the clock saw are
+  not used: the candidate is timed by the clock (under a tenth of it, refused as forged).
 - The noise band is A/A: how far runs of the same code move (the original's runs against each
   other, the candidate's, and the original run in the candidate's worker against the reference
   worker's), stored with the result: a speedup inside it is no change.
