@@ -81,3 +81,58 @@ def test_attention_bindings_come_from_the_trace(regions):
     assert (gpt2["packed"], gpt2["in_layout"], gpt2["rope"]) == ("c_attn.weight", "matmul", "none")
     qwen3 = [b for t, b in applicable(problems[("hf_qwen3", "Qwen3Attention")]) if t.name == "gqa_attention"][0]
     assert (qwen3["q_norm"], qwen3["k_norm"]) == ("q_norm", "k_norm")
+
+
+GEMMA_NORM = '''
+import torch
+from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = GemmaRMSNorm(64, eps=1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_(0.0, 0.5)  # zero-init in transformers: 1 + 0 would hide the offset
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def get_inputs():
+    return [torch.randn(4, 16, 64)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_gemmas_norm_scales_by_one_plus_weight_and_its_template_knows(regions, tmp_path):
+    """Gemma's RMSNorm is x * rstd * (1 + w): the rmsnorm template binds that form where the
+    trace shows the second add (Llama's shows one and gets only its own), and passes."""
+    problems, _ = regions
+    llama = [b for t, b in applicable(problems[("hf_llama", "LlamaRMSNorm")]) if t.name == "rmsnorm"]
+    assert llama and {b["unit_offset"] for b in llama} == {False}
+    model = tmp_path / "gemma_norm.py"
+    model.write_text(GEMMA_NORM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (problem,), skipped = freeze(load_model(model, "cpu"), [RegionChoice("GemmaRMSNorm")], tmp_path / "p",
+                                     torch.device("cpu"))
+    assert not skipped
+    offered = [(t, b) for t, b in applicable(problem) if t.name == "rmsnorm"]
+    assert [b["unit_offset"] for _, b in offered][:1] == [True]
+    runner = TrialRunner("cpu")
+    try:
+        runner.add_problem(tmp_path / "p" / problem.name)
+        verdicts = {}
+        for template, binding in offered[:2]:
+            trial = runner.run(Candidate(region=problem.name, source=render(template, binding, default_params(template)),
+                                         planner="template", template=template.name), do_time=False)
+            verdicts[binding["unit_offset"]] = trial.status
+        assert verdicts[True] is Status.ok and verdicts.get(False, Status.wrong) is Status.wrong, verdicts
+    finally:
+        runner.close()

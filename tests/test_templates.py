@@ -159,7 +159,7 @@ CASES = {
 
 # template -> (case it is checked on, what its right binding looks like)
 RIGHT = {
-    "rmsnorm": ("rmsnorm", {"weight": "weight", "eps": 1e-5}),
+    "rmsnorm": ("rmsnorm", {"weight": "weight", "eps": 1e-5, "unit_offset": False}),
     "layernorm": ("layernorm", {"weight": "weight", "bias": "bias"}),
     "softmax": ("softmax", {}),
     "add_rmsnorm": ("decoder", {"norm1": "input_layernorm", "mixer1": "self_attn",

@@ -140,7 +140,19 @@ def rmsnorm(problem: Problem) -> list[dict]:
     region = _norm_region(problem)
     if region is None:
         return []
-    return ranked([{"weight": w, "eps": e} for w in region[1] for e in eps_candidates(problem)])
+    return ranked([{"weight": w, "eps": e, "unit_offset": u} for u in unit_offsets(problem)
+                   for w in region[1] for e in eps_candidates(problem)])
+
+
+def unit_offsets(problem: Problem) -> tuple[bool, ...]:
+    """Whether the norm scales by 1 + weight (Gemma: `x * (1 + w)`) or by the weight (Llama).
+    A traced norm with one add (the eps's) is Llama's; a second add may be Gemma's 1 + weight,
+    so both are tried then, Gemma's first, as they are untraced: the tolerance tells them apart
+    (their outputs differ by the whole normalized input)."""
+    ops = [o["op"] for o in (problem.graph or {}).get("ops", [])]
+    if ops and ops.count("add") < 2:
+        return (False,)
+    return (True, False) if ops else (False, True)
 
 
 def layernorm(problem: Problem) -> list[dict]:
