@@ -237,7 +237,7 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             # The events cover less than the tuner's clock saw: host work in every call (tiny
             # shapes, several launches, Python between kernels), work off the timed stream, or
             # the harness's own jitter where it dwarfs the calls (a 0.2 ms decode call beside a
-            # 460 MB KV cache copied and checksummed every repetition). The events are not
+            # fresh 460 MB KV cache drawn for every repetition). The events are not
             # trusted, nor their shape: each call took what the clock saw per call (more than
             # the events claimed, or this branch is not reached). Wall against wall, as before,
             # counts the harness on both sides and squashes a small call's speedup toward 1x: on
