@@ -143,9 +143,10 @@ class Worker:
             protocol.send(self.sock, {**header, "nonce": nonce}, tensors, fds=fds)
             # The time limit counts the worker's own time: seconds it spent stopped while a
             # sibling timed (TrialRunner.siblings) are added to it.
-            while not select.select([self.sock], [], [], max(0.0, min(
-                    1.0, t0 + timeout + self.stopped_seconds() - stopped0 - time.monotonic())))[0]:
-                if time.monotonic() >= t0 + timeout + self.stopped_seconds() - stopped0:
+            def left() -> float:
+                return t0 + timeout + self.stopped_seconds() - stopped0 - time.monotonic()
+            while not select.select([self.sock], [], [], max(0.0, min(1.0, left())))[0]:
+                if left() <= 0:
                     raise protocol.ChannelTimeout(f"no frame within {timeout:.0f} s")
             head, payload = protocol.recv(self.sock, timeout)
         except protocol.ChannelTimeout:

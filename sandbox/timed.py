@@ -189,11 +189,9 @@ def ab_band(base_medians: list[float], cand_medians: list[float], controls: list
     the widest control, counted as the verdict reads it (`faster` above 1 + band, `slower` below
     1 / (1 + band): x or 1/x, less one), plus the ratio's spread. Controls only widen the band,
     so a candidate that disturbs its own worker's control cannot buy itself a win."""
-    ratios = [c / b for c, b in zip(cand_medians, base_medians) if b > 0]
-    spread = timing.noise_band(ratios, kind) if len(ratios) >= 2 else 0.0
-    cross = max([max(x, 1.0 / x) - 1.0 for x in controls if x > 0 and math.isfinite(x)], default=0.0)
-    return max(timing.noise_band(base_medians, kind), timing.noise_band(cand_medians, kind), spread,
-               cross + spread if cross else 0.0)
+    parts = timing.band_parts(base_medians, cand_medians, controls, kind)
+    spread, cross = parts["ratio"], parts["control"]
+    return max(parts["original"], parts["candidate"], spread, cross + spread if cross else 0.0)
 
 
 def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply", wall_b: float, lead: float,

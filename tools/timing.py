@@ -68,6 +68,17 @@ def noise_band(medians: list[float], device_type: str) -> float:
     return max(floor, (max(xs) - min(xs)) / quantile(xs, 0.5))
 
 
+def band_parts(base_medians: list[float], cand_medians: list[float], controls: list[float],
+               device_type: str) -> dict[str, float]:
+    """The parts an A/A band is made of (sandbox/timed.py `ab_band` says how): each side's
+    spread over its runs, their paired ratios' spread, and the widest cross-process control
+    counted as the verdict reads it (x or 1/x, less one)."""
+    ratios = [c / b for c, b in zip(cand_medians, base_medians) if b > 0]
+    return {"original": noise_band(base_medians, device_type), "candidate": noise_band(cand_medians, device_type),
+            "ratio": noise_band(ratios, device_type) if len(ratios) >= 2 else 0.0,
+            "control": max([max(x, 1.0 / x) - 1.0 for x in controls if x > 0 and math.isfinite(x)], default=0.0)}
+
+
 # -- in the worker ----------------------------------------------------------------------------
 class CudaClock:
     def __init__(self, device: torch.device):

@@ -91,15 +91,13 @@ class WorkloadTiming(BaseModel):
     control run (the cross-process part of `noise_band`)."""
 
     def band_parts(self) -> str:
-        """What set the band: each side's spread over its runs, their paired ratios' spread, and
-        the widest cross-process control (for reading a wide band, not for deciding anything)."""
-        from tools.timing import noise_band
-        ratios = [c / b for c, b in zip(self.candidate_runs, self.baseline_runs) if b > 0]
-        def band(xs: list[float]) -> float | None:
-            return noise_band(xs, self.timing_kind) if len(xs) > 1 else None
-        parts = [("original", band(self.baseline_runs)), ("candidate", band(self.candidate_runs)), ("ratio", band(ratios)),
-                 ("control", max((max(x, 1 / x) - 1 for x in self.controls if x > 0), default=None))]
-        return ", ".join(f"{k} {v:.1%}" for k, v in parts if v is not None)
+        """What set the band (original, candidate, ratio, control: `tools.timing.band_parts`), for
+        reading a wide band, not for deciding anything."""
+        from tools.timing import band_parts
+        if not self.candidate_runs:
+            return "parts not recorded"  # a trial stored before they were
+        parts = band_parts(self.baseline_runs, self.candidate_runs, self.controls, self.timing_kind)
+        return ", ".join(f"{k} {v:.1%}" for k, v in parts.items())
 
     @property
     def verdict(self) -> str:

@@ -54,14 +54,21 @@ class Combined:
         live = [p for p in self.planners if p.name not in self.failed]
         share = max(1, n // max(1, len(live)))
         for p in live:
-            try:
-                out += p.propose(problem, history, share)
-            except Exception as e:  # noqa: BLE001 - one planner's bug must not end the others' night
-                self.failed[p.name] = PlannerFailed(p.name, e)
-                self.on_failure(self.failed[p.name])
+            out += self._ask(p, problem, history, share)
+        self._raise_if_all_failed(live)
+        return out
+
+    def _ask(self, p: Planner, problem: Problem, history: History, n: int) -> list[Candidate]:
+        try:
+            return p.propose(problem, history, n)
+        except Exception as e:  # noqa: BLE001 - one planner's bug must not end the others' night
+            self.failed[p.name] = PlannerFailed(p.name, e)
+            self.on_failure(self.failed[p.name])
+            return []
+
+    def _raise_if_all_failed(self, live: list[Planner]) -> None:
         if len(self.failed) == len(self.planners):
             raise self.failed[live[-1].name] if live else next(iter(self.failed.values()))
-        return out
 
 
 class Fallback(Combined):
@@ -79,16 +86,9 @@ class Fallback(Combined):
     def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
         live = [p for p in self.planners if p.name not in self.failed]
         for p in live:
-            try:
-                got = p.propose(problem, history, n)
-            except Exception as e:  # noqa: BLE001 - as in Combined
-                self.failed[p.name] = PlannerFailed(p.name, e)
-                self.on_failure(self.failed[p.name])
-                continue
-            if got:
+            if got := self._ask(p, problem, history, n):
                 return got
-        if len(self.failed) == len(self.planners):
-            raise self.failed[live[-1].name] if live else next(iter(self.failed.values()))
+        self._raise_if_all_failed(live)
         return []
 
     def coverage(self, problem: Problem, history: History) -> tuple[int, int]:

@@ -146,9 +146,9 @@ def rmsnorm(problem: Problem) -> list[dict]:
 
 def unit_offsets(problem: Problem) -> tuple[bool, ...]:
     """Whether the norm scales by 1 + weight (Gemma: `x * (1 + w)`) or by the weight (Llama).
-    A traced norm with one add (the eps's) is Llama's; a second add may be Gemma's 1 + weight,
-    so both are tried then, Gemma's first, as they are untraced: the tolerance tells them apart
-    (their outputs differ by the whole normalized input)."""
+    A traced norm with one add (the eps's) is Llama's. With a second add it may be Gemma's, so
+    both are tried, Gemma's first; untraced, both too, Llama's first. The tolerance tells them
+    apart (their outputs differ by the whole normalized input)."""
     ops = [o["op"] for o in (problem.graph or {}).get("ops", [])]
     if ops and ops.count("add") < 2:
         return (False,)
