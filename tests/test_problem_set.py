@@ -43,6 +43,9 @@ def _nudge(out):
         return out + 0.01 * (1 + out.abs())
     if isinstance(out, (tuple, list)):
         return type(out)(_nudge(o) for o in out)
+    if isinstance(out, dict):  # transformers' ModelOutput is an OrderedDict
+        for key in list(out):
+            out[key] = _nudge(out[key])
     return out
 
 def forward(module, *args, **kwargs):

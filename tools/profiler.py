@@ -1,7 +1,7 @@
 """Profile a model and attribute its device time to the module tree.
 
 Every module's forward is wrapped (pre/post hooks) in a profiler range `ns::<path>::<Class>`,
-and every workload's forwards in `nsw::<workload>`. Time is then attributed as follows:
+and every forward of a workload in `nsw::<workload>@<i>`. Time is then attributed as follows:
 
 - GPU: the profiler links each device kernel (and memcpy/memset) to the CPU op that launched
   it through the CUDA/HIP correlation id, and lists it in that op's `kernels`. We walk the
@@ -12,6 +12,10 @@ and every workload's forwards in `nsw::<workload>`. Time is then attributed as f
   directly under an `ns::` range), timed by its total CPU time. Leaf ops would miss the
   work inside composite ops (`aten::addmm`'s own time is its GEMM), so we take the outermost
   op instead. All times are then CPU times, and every rendering says so.
+
+Each module's own time is the median over the profiled forwards (times their count), not the
+sum: on a loaded machine one preempted op in one forward can otherwise put a fifth of a small
+model's time in a mask or a residual add, and change which regions are chosen.
 
 Inclusive time of a region is the sum over its subtree, so a fusion opportunity across
 children (residual add + norm, SiLU * mul) shows up at their parent. FLOPs and bytes come
@@ -180,7 +184,7 @@ def _measure_costs(model: torch.nn.Module, inputs: list) -> dict[str, _Cost]:
 # ---------------------------------------------------------------------------- attribution
 
 def _owner(evt) -> tuple[str, str] | None:
-    """(workload, module path) of the innermost ranges around `evt`; None outside a workload."""
+    """(workload@forward, module path) of the innermost ranges around `evt`; None outside a workload."""
     path = None
     while evt is not None:
         if evt.name.startswith(NSW):
@@ -209,6 +213,22 @@ def _attribute(events, gpu: bool, small_us: float) -> dict[str, dict[str, _Acc]]
         elif not is_range and (evt.cpu_parent is None or evt.cpu_parent.name.startswith((NS, NSW))):
             acc.add_kernel(evt.name, evt.cpu_time_total, small_us)
     return accs
+
+
+def _per_forward_median(forwards: list[dict[str, _Acc]]) -> dict[str, _Acc]:
+    """One workload's totals over its forwards, each module's time the median forward's times
+    their number (counts stay summed: `_rows` divides everything by the number of forwards)."""
+    out: dict[str, _Acc] = defaultdict(_Acc)
+    for accs in forwards:
+        for path, acc in accs.items():
+            out[path].merge(acc)
+    for path, acc in out.items():
+        typical = statistics.median(f[path].us if path in f else 0.0 for f in forwards) * len(forwards)
+        scale = typical / acc.us if acc.us > 0 else 1.0
+        acc.us, acc.small_us = typical, acc.small_us * scale
+        for entry in acc.names.values():
+            entry[0] *= scale
+    return out
 
 
 def _depth(path: str) -> int:
@@ -309,11 +329,13 @@ def profile_model(loaded: LoadedModel, device: str | torch.device, workload: str
             warnings.filterwarnings("ignore", message=".*Profiler clears events")
             with _ranges(model), profile(activities=activities, record_shapes=True) as prof:
                 for w in workloads:
-                    with record_function(NSW + w.name):
-                        for _ in range(iters):
+                    for i in range(iters):
+                        with record_function(f"{NSW}{w.name}@{i}"):
                             model(*w.inputs)
                     _sync(dev)
-    accs = _attribute(prof.events(), gpu, small_us)
+    by_forward = _attribute(prof.events(), gpu, small_us)
+    accs = {w.name: _per_forward_median([by_forward.get(f"{w.name}@{i}", {}) for i in range(iters)])
+            for w in workloads}
     if trace_path is not None:
         try:  # the trace is for people to look at; failing to write it loses nothing else
             Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
