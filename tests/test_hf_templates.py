@@ -136,3 +136,51 @@ def test_gemmas_norm_scales_by_one_plus_weight_and_its_template_knows(regions, t
         assert verdicts[True] is Status.ok and verdicts.get(False, Status.wrong) is Status.wrong, verdicts
     finally:
         runner.close()
+
+
+BERT = '''
+import torch
+from torch import nn
+from transformers import BertConfig, BertModel
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        config = BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+                            max_position_embeddings=64, num_hidden_layers=1)
+        self.model = BertModel(config).eval()
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).last_hidden_state
+
+
+def get_inputs():
+    return [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_the_trace_keeps_templates_off_regions_that_compute_something_else(regions, tmp_path):
+    """A LayerNorm subtracts the mean (its trace shows layer_norm), an RMSNorm does not: each
+    gets only its own norm template. BERT's self-attention holds three square projections, as
+    a gated MLP would, but its trace shows no gated MLP: no gated_mlp candidate (it would
+    return one tensor where the region returns two, a trial spent for nothing)."""
+    problems, _ = regions
+    names = lambda p: {t.name for t, _ in applicable(p)}  # noqa: E731
+    assert "layernorm" in names(problems[("hf_gpt2", "LayerNorm")])
+    assert "rmsnorm" not in names(problems[("hf_gpt2", "LayerNorm")])
+    assert "rmsnorm" in names(problems[("hf_llama", "LlamaRMSNorm")])
+    assert "layernorm" not in names(problems[("hf_llama", "LlamaRMSNorm")])
+    model = tmp_path / "bert.py"
+    model.write_text(BERT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (attn,), skipped = freeze(load_model(model, "cpu"), [RegionChoice("BertSelfAttention")], tmp_path / "p",
+                                  torch.device("cpu"))
+    assert not skipped and (attn.graph or {}).get("matmuls"), attn.graph
+    assert not {"gated_mlp", "mlp_dual_gemm", "mlp"} & names(attn), names(attn)

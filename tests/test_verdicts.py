@@ -220,3 +220,28 @@ def test_a_cross_process_offset_is_inside_the_band_as_the_verdict_reads_it():
     clean = ab_band([1.00, 1.01, 0.99], [0.50, 0.50, 0.51], [1.01], "cuda")
     assert clean < 0.1 and verdict(2.0, clean) == "faster", clean
     assert ab_band([1.0, 1.0], [1.0, 1.0], [], "cuda") < 0.05
+
+
+def test_an_output_that_is_a_slice_is_no_shape_error_but_an_expanded_one_is(tmp_path):
+    """transformers' GPT-J rotary embedding returns two halves of one row: strided views with
+    gaps. Its own forward, and a rewrite returning dense copies, must pass; an output whose
+    elements overlap (one row expanded) is refused where the region's own outputs do not."""
+    loaded = load_model(MODELS / "sliced_outputs.py", "cpu")
+    problems, skipped = freeze(loaded, [RegionChoice("SinCos")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped, skipped
+    dense = OWN.replace("return type(module).forward(module, *args, **kwargs)",
+                        "return tuple(t.contiguous() for t in type(module).forward(module, *args, **kwargs))")
+    # Right wherever every sequence has the same positions (as in the frozen inputs).
+    expanded = OWN.replace("return type(module).forward(module, *args, **kwargs)",
+                           "return tuple(t[:1].expand_as(t) for t in type(module).forward(module, *args, **kwargs))")
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(tmp_path / "problems" / problems[0].name)
+        for source in (OWN, dense):
+            trial = runner.run(Candidate(region=problems[0].name, source=source), do_time=False)
+            assert trial.status is Status.ok, (trial.status, trial.reason, trial.error_text[-600:])
+        trial = runner.run(Candidate(region=problems[0].name, source=expanded), do_time=False)
+        assert trial.status is not Status.ok
+        assert trial.status is Status.shape and "overlap" in trial.reason, (trial.status, trial.reason)
+    finally:
+        runner.close()

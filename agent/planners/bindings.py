@@ -136,9 +136,15 @@ def _norm_region(problem: Problem) -> tuple[int, list[str]] | None:
     return n, [p.name for p in problem.parameters]
 
 
+# Ops a traced norm shows when it subtracts the mean (a LayerNorm), and the ones it can only
+# show when it does not (an RMSNorm never calls layer_norm or subtracts).
+CENTERING_OPS = {"layer_norm", "native_layer_norm", "sub", "var", "var_mean", "group_norm"}
+
+
 def rmsnorm(problem: Problem) -> list[dict]:
     region = _norm_region(problem)
-    if region is None:
+    ops = traced.plain_ops(problem)
+    if region is None or (ops and ops & CENTERING_OPS):
         return []
     return ranked([{"weight": w, "eps": e, "unit_offset": u} for u in unit_offsets(problem)
                    for w in region[1] for e in eps_candidates(problem)])
@@ -157,7 +163,8 @@ def unit_offsets(problem: Problem) -> tuple[bool, ...]:
 
 def layernorm(problem: Problem) -> list[dict]:
     region = _norm_region(problem)
-    if region is None:
+    ops = traced.plain_ops(problem)
+    if region is None or (ops and not ops & CENTERING_OPS):
         return []
     names = region[1]
     pairs = [(w, b) for w, b in permutations(names, 2)] + [(w, None) for w in names]
@@ -201,8 +208,8 @@ def gated_mlp(problem: Problem) -> list[dict]:
     and no other matrices (a region holding more, like a whole decoder layer, is not an MLP).
     The traced graph names gate, up and the activation when it can; shapes guess otherwise."""
     found = traced.gated_mlp(problem)
-    if found:
-        return found
+    if found or (problem.graph or {}).get("matmuls") is not None:
+        return found  # traced: the trace knows whether the region's matmuls make this MLP
     io = single_io(problem)
     if io is None:
         return []
