@@ -93,10 +93,24 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                                 f"(has: {', '.join(sorted(known))})")
             choices = [RegionChoice(r.class_name, r.share, tuple(k.name for k in r.top_kernels),
                                     _per_workload_ms(result, r.qualname)) for r in rows]
-            with user_code(model):
-                problems, skips = freeze(loaded, choices, run.problems_dir, dev, tolerance=tol,
+            skips, tried = [], set()
+            # A chosen region that cannot be frozen (it keeps state between calls, say) hides its
+            # parts, which selection passed over as overlapping it: choose again without it, and
+            # freeze what is new, until nothing new comes (never past the user's --regions).
+            while choices:
+                tried |= {c.class_name for c in choices}
+                with user_code(model):
+                    got, missed = freeze(loaded, choices, run.problems_dir, dev, tolerance=tol,
                                          per_region=per_region, stop_rule=stop_rule, targets=targets,
                                          device_name=result.device_name, ceilings=ceilings.model_dump())
+                problems, skips = problems + got, skips + missed
+                if regions or not missed:
+                    break
+                rows = select_regions(result, coverage=coverage, max_regions=max_regions,
+                                      exclude=tuple(s.class_name for s in skips))
+                choices = [RegionChoice(r.class_name, r.share, tuple(k.name for k in r.top_kernels),
+                                        _per_workload_ms(result, r.qualname)) for r in rows
+                           if r.class_name not in tried]
             skipped = {s.class_name: s.reason for s in skips}
             if not problems:  # issue 14: say why for every class the profile saw, not an empty list
                 skipped.update({v.class_name: f"not chosen: {v.reason}"

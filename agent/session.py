@@ -107,6 +107,9 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
                                      trace=req.trace, trace_keep_own=req.trace_keep_own)
             run = res.run
             say(f"run folder {run.path}: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
+            if not res.problems:  # the reasons here, not only in run.json
+                for name, why in res.skipped.items():
+                    say(f"  skipped {name}: {why}")
             lock = run.lock().acquire()
         else:  # everything is checked before the run is touched (its lock file included)
             run = RunFolder.open(req.resume)

@@ -154,6 +154,15 @@ def dispatcher(ops: list[str]) -> dict[str, str]:
     return out
 
 
+def _optional(owner: Any, getter: str) -> Any:
+    """What a getter some torch versions lack says, or that it is absent."""
+    fn = getattr(owner, getter, None)
+    try:
+        return fn() if callable(fn) else "absent"
+    except Exception as e:  # a getter that fails says so, the same way every time
+        return f"{type(e).__name__}"
+
+
 def global_state() -> dict[str, str]:
     import torch
     b = torch.backends
@@ -166,9 +175,13 @@ def global_state() -> dict[str, str]:
         "cuda matmul tf32": b.cuda.matmul.allow_tf32,
         "cuda fp16 reduced": b.cuda.matmul.allow_fp16_reduced_precision_reduction,
         "cuda bf16 reduced": b.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "sdpa": (b.cuda.flash_sdp_enabled(), b.cuda.mem_efficient_sdp_enabled(), b.cuda.math_sdp_enabled()),
+        "sdpa": (b.cuda.flash_sdp_enabled(), b.cuda.mem_efficient_sdp_enabled(), b.cuda.math_sdp_enabled(),
+                 _optional(b.cuda, "cudnn_sdp_enabled"), _optional(b.cuda, "is_flash_attention_available")),
+        "cuda fp16 accumulation": getattr(b.cuda.matmul, "allow_fp16_accumulation", None),
+        "default device": _optional(torch, "get_default_device"), "interop threads": torch.get_num_interop_threads(),
+        "mkldnn": (b.mkldnn.enabled, getattr(b.mkldnn, "deterministic", None)),
         # No getter exists for set_flush_denormal; a denormal that survives a multiply says it is off.
-        "denormals flushed": bool(torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() == 0.0),
+        "denormals flushed": bool(torch.tensor([1e-40], dtype=torch.float32, device="cpu").mul(1.0).item() == 0.0),
         "sys profile": repr(sys.getprofile()), "sys trace": repr(sys.gettrace()),
         "threading profile": repr(getattr(threading, "_profile_hook", None)),
         "threading trace": repr(getattr(threading, "_trace_hook", None)),

@@ -107,7 +107,7 @@ def register(worker: Worker, problem: Problem, folder: Path, timeout: float) -> 
     try:
         return worker.request({"op": "problem", "name": problem.name, "model_file": problem.model_file,
                                "region_path": problem.region_path, "env": problem.model_env,
-                               "meta": problem.build_on_meta},
+                               "meta": problem.build_on_meta, "seeded": problem.seeded_calls},
                               timeout=timeout, fds=[f.fileno() for f in files])
     finally:
         for f in files:

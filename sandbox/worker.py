@@ -89,7 +89,7 @@ class Worker:
     def op_problem(self, req: dict, _: Any) -> tuple[dict, Any]:
         """Register a problem: the region rebuilt from the model file and the frozen state."""
         torch = self.torch
-        from tools.region import build_region
+        from tools.region import build_region, seeded
         if self.candidates_run:
             return {"ok": False, "error": "this worker has run candidate code; problems need a fresh worker"}, None
         fds = req.get("_fds") or []
@@ -105,7 +105,11 @@ class Worker:
         region = build_region(self._model_copy(req["model_file"], model_source), req["region_path"], state,
                               self.device, on_meta=bool(req.get("meta", True)))
         del state
-        self.problems[req["name"]] = {"region": region, "forward": type(region).forward, "inputs": inputs}
+        # A region drawing random numbers is called seeded, the original and candidates alike
+        # (tools.region.CALL_SEED); timed runs too, so both sides pay for the seeding.
+        wrap = seeded if req.get("seeded") else (lambda f: f)
+        self.problems[req["name"]] = {"region": region, "forward": wrap(type(region).forward), "inputs": inputs,
+                                      "wrap": wrap}
         header: dict[str, Any] = {"ok": True}
         payload = None
         if self.role == "reference":
@@ -231,6 +235,7 @@ class Worker:
         except BaseException as e:  # SystemExit from candidate code counts as a failure too
             raise classify(e, "load")
         module = copy.deepcopy(p["region"])
+        fwd = p["wrap"](fwd)
         self.candidate = {"forward": fwd, "module": module, "problem": req["problem"]}
         # First calls compile (Triton, torch.compile) once per input shape: under the compile
         # timeout, before any verification or timing.

@@ -185,18 +185,18 @@ def test_regions_never_overlap_and_every_class_has_a_reason(results, name):
 
 
 def test_profile_says_why_for_each_class_when_nothing_is_frozen(tmp_path):
-    """The only region returns integers (nothing to compare): `profile` must not come back with
-    an empty list of reasons."""
+    """The only region returns integers (nothing to compare) and has no parts to freeze instead:
+    `profile` must not come back with an empty list of reasons."""
     from agent.jobs import profile_and_freeze
     path = tmp_path / "argmax.py"
     path.write_text(textwrap.dedent(HEADER + """
 class Head(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(64, 10)
+        self.weight = nn.Parameter(torch.randn(10, 64))
 
     def forward(self, x):
-        return self.fc(x).argmax(-1)
+        return (x @ self.weight.t()).argmax(-1)
 
 class Model(nn.Module):
     def __init__(self):
@@ -210,4 +210,3 @@ class Model(nn.Module):
     assert not res.problems
     assert "no floating-point output" in res.skipped["Head"]
     assert res.skipped["Model"].startswith("not chosen:") and "Head" in res.skipped["Model"]
-    assert "Linear" in res.skipped

@@ -34,7 +34,8 @@ from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, 
 from tools.problem import (Problem, ProblemError, StopRule, TensorSpec, Tolerance, Workload, default_tolerance,
                            file_hash, tensor_hash)
 from tools.recording import record_calls
-from tools.region import build_region, call_args, flatten, module_state, scalar_attributes
+from tools.region import (CALL_SEED, build_region, call_args, draws_random, flatten, module_state,
+                          scalar_attributes, seeded_rng, tensor_attributes)
 from tools.verify import diff
 
 
@@ -145,7 +146,19 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
         try:
             alone = build_region(loaded.path, rep, state, device)
             with torch.no_grad():
-                again = [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0] for s in inputs]
+                again, random = draws_random(lambda: [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0]
+                                                      for s in inputs], device)
+                if random:  # no fixed answer: today's outputs are the seeded calls' (`CALL_SEED`)
+                    again = []
+                    for s in inputs:
+                        args, kwargs = call_args(s, device)
+                        with seeded_rng(device):
+                            again.append(flatten(alone(*args, **kwargs))[0])
+                    flat = [([host_copy(t) if isinstance(t, torch.Tensor) else t for t in outs], structure)
+                            for outs, (_, structure) in zip(again, flat)]
+                    reference = [{"structure": st, "outputs": outs} for outs, st in flat]
+                    notes.append(f"draws random numbers in its forward: every call of it (the original's and each "
+                                 f"candidate's) starts from torch.manual_seed({CALL_SEED})")
         except Exception as e:
             skipped.append(Skipped(choice.class_name, f"cannot be rebuilt on its own: {type(e).__name__}: "
                                    f"{str(e)[:300]}{why_absent}"))
@@ -164,8 +177,11 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
                          ).error(tol) for a, ref in zip(again, reference))
         del again
         if drift > tol.value:
+            held = tensor_attributes(module)
+            why = (f"it holds tensors that are neither parameters nor buffers ({', '.join(held[:3])}), which its "
+                   "forward may change between calls" if held else "it depends on state outside the module")
             skipped.append(Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
-                                   f"by {drift:.3g} (> {tol}): it depends on state outside the module{why_absent}"))
+                                   f"by {drift:.3g} (> {tol}): {why}{why_absent}"))
             continue
         graph, graph_notes = _facts(alone, inputs[0], flat[0][1], device)
         notes += graph_notes + [n for n in [admission.note()] if n]
@@ -190,7 +206,7 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
             share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
             floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes),
-            inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]))
+            inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]), seeded_calls=random)
         problem.save(folder / name, inputs, reference, state)
         problems.append(problem)
         del inputs, raw_outputs, reference, flat, alone
@@ -237,12 +253,21 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     winners routed in, torch.compile of it) through the same trial path as any region."""
     state = module_state(loaded.model)
     inputs, reference, workloads = [], [], []
+    random = False
     with torch.no_grad():
         for w in loaded.workloads:
             if hasattr(w, "restore"):
                 w.restore()  # a KV cache starts as the workload made it, not as the last forward left it
             input_set = {"args": host_copy(list(w.inputs)), "kwargs": {}}
-            leaves, structure = flatten(loaded.model(*w.inputs))
+            out, draws = draws_random(lambda: loaded.model(*w.inputs), device)
+            if draws:  # no fixed answer: the model's calls are seeded, here and in every worker
+                random = True
+                if hasattr(w, "restore"):
+                    w.restore()
+                with seeded_rng(device):
+                    out = loaded.model(*w.inputs)
+            leaves, structure = flatten(out)
+            del out
             if structure.startswith("?") or "?" in structure:
                 raise ValueError(f"the model returns something other than tensors ({structure}) on {w.name!r}")
             outs = [host_copy(t) for t in leaves]
@@ -252,6 +277,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
             ref_max = max(float(t.abs().max()) for t in floats)
             if tolerance is not None:
                 tol, source = tolerance, "cli"
+            elif random:  # a wider dtype draws other numbers: no calibration against it
+                tol, source = default_tolerance(floats[0].dtype, ref_max), "default (the model draws random numbers)"
             else:
                 tol, source = calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
             if hasattr(w, "restore"):
@@ -272,7 +299,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         tolerance=workloads[0].tolerance, tolerance_source="per workload (end to end)",
         metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
         inplace_inputs=inplace_paths([p["name"] for p in signature_facts(type(model))],
-                                     set(inplace_names(type(model))), inputs[0]),
+                                     set(inplace_names(type(model))), inputs[0]), seeded_calls=random,
         model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}))
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem

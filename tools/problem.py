@@ -216,6 +216,9 @@ class Problem(BaseModel):
     inplace_inputs: list[str] = Field(default_factory=list)
     """Declared in-place outputs (a KV cache): where they are in an input set, "args.1" or
     "kwargs.k_cache" (tools/inplace.py). The verifier compares them with the original's."""
+    seeded_calls: bool = False
+    """The region draws random numbers in its forward: every call of it, the original's and a
+    candidate's, starts from torch.manual_seed(tools.region.CALL_SEED)."""
     model_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables the model file read when it was frozen (LLAMA_PRESET, ...): the
     sandbox workers get exactly these, so they build the same model."""

@@ -2,12 +2,53 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tools.modelfile import ModelFileError, _call, _as_list, import_model_file
+
+
+CALL_SEED = 0
+"""A region that draws random numbers in its forward (KernelBench's LSTM draws its initial
+state with torch.randn) has no fixed answer; such a problem is frozen `seeded_calls`, and every
+call of it, the original's and each candidate's, starts from torch.manual_seed(CALL_SEED), as
+KernelBench's own harness seeds before each model call. A candidate then matches only by
+drawing what the original draws, in the same order."""
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.random.get_rng_state()]
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def draws_random(fn, device: torch.device) -> tuple[Any, bool]:
+    """fn()'s result, and whether it advanced torch's global random state (CPU, or `device`'s)."""
+    before = _rng_states(device)
+    out = fn()
+    after = _rng_states(device)
+    return out, any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+@contextmanager
+def seeded_rng(device: torch.device):
+    """torch.manual_seed(CALL_SEED) for the block, the caller's random state restored after (the
+    tuner's own draws must stay unpredictable)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(CALL_SEED)
+        yield
+
+
+def seeded(fwd):
+    """`fwd(module, *args, **kwargs)` called right after torch.manual_seed(CALL_SEED)."""
+    def call(module, *args, **kwargs):
+        torch.manual_seed(CALL_SEED)
+        return fwd(module, *args, **kwargs)
+    return call
 
 
 def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -30,6 +71,13 @@ def scalar_attributes(module: torch.nn.Module) -> dict[str, float | int | bool |
     for name, child in module.named_children():
         take(f"{name}.", child)
     return out
+
+
+def tensor_attributes(module: torch.nn.Module) -> list[str]:
+    """Tensors a module (or a submodule) holds as plain attributes, neither parameter nor buffer
+    (KernelBench's RNNs keep their hidden state so): not in the frozen state, not rebuilt."""
+    return [f"{path}.{k}" if path else k for path, m in module.named_modules()
+            for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
 
 
 def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -67,6 +115,8 @@ def build_region(model_file: str | Path, region_path: str, state: dict[str, torc
         region = model.get_submodule(region_path) if region_path else model
     except AttributeError:
         raise ModelFileError(f"{path}: the model has no module {region_path!r} any more") from None
+    if _on_meta(region) and tensor_attributes(region):  # to_empty would leave those on meta, without data
+        return build_region(model_file, region_path, state, device, on_meta=False)
     region = region.to_empty(device=device) if _on_meta(region) else region.to(device)
     own = {n for n, _ in region.named_parameters(remove_duplicate=False)} | {
         n for n, _ in region.named_buffers(remove_duplicate=False)}

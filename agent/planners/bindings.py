@@ -136,8 +136,7 @@ def _norm_region(problem: Problem) -> tuple[int, list[str]] | None:
     return n, [p.name for p in problem.parameters]
 
 
-# Ops a traced norm shows when it subtracts the mean (a LayerNorm), and the ones it can only
-# show when it does not (an RMSNorm never calls layer_norm or subtracts).
+# Ops a traced norm shows when it subtracts the mean (a LayerNorm); an RMSNorm shows none.
 CENTERING_OPS = {"layer_norm", "native_layer_norm", "sub", "var", "var_mean", "group_norm"}
 
 
@@ -162,9 +161,10 @@ def unit_offsets(problem: Problem) -> tuple[bool, ...]:
 
 
 def layernorm(problem: Problem) -> list[dict]:
+    # Offered on an RMSNorm's trace too (after the rmsnorm template): the tolerance rejects it
+    # there, and the search keeps one cheap way to show what a wrong fit looks like.
     region = _norm_region(problem)
-    ops = traced.plain_ops(problem)
-    if region is None or (ops and not ops & CENTERING_OPS):
+    if region is None:
         return []
     names = region[1]
     pairs = [(w, b) for w, b in permutations(names, 2)] + [(w, None) for w in names]

@@ -1,0 +1,159 @@
+"""Habits of model files written for KernelBench, which our own files do not have, on the CPU:
+
+- a forward that draws random numbers (level 3's LSTM draws its initial state with
+  torch.randn): frozen `seeded_calls`, every call of it seeded alike, so the region's own
+  forward passes and a candidate that draws other numbers is rejected, end to end too;
+- tensors held as plain attributes (the RNNs' hidden state), which a model built on the meta
+  device would leave without data;
+- a chosen region that cannot be frozen: its parts, passed over as overlapping it, are
+  frozen instead, and a tune that freezes nothing says why on its own output.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+
+from sandbox.runner import Limits, TrialRunner
+from tools.capture import RegionChoice, freeze, freeze_model
+from tools.modelfile import load_model
+from tools.region import build_region, module_state
+from tools.trial import Candidate, Status
+
+DRAWS = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        h0 = torch.randn(x.shape[0], x.shape[1])  # as KernelBench's LSTM draws h0 and c0
+        return torch.tanh(self.fc(x) + h0)
+
+def get_init_inputs():
+    return [32]
+
+def get_inputs():
+    return [torch.randn(4, 32)]
+"""
+
+OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+# The same function with the random draw made twice: other numbers, so another answer.
+DRAWS_OTHER = """import torch
+
+def forward(module, x):
+    torch.randn(1)
+    h0 = torch.randn(x.shape[0], x.shape[1])
+    return torch.tanh(module.fc(x) + h0)
+"""
+
+
+def _write(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def test_a_forward_that_draws_random_numbers_is_called_seeded_and_judged(tmp_path):
+    loaded = load_model(_write(tmp_path, "draws.py", DRAWS), "cpu")
+    (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped and problem.seeded_calls, skipped
+    assert any("random" in n for n in problem.notes)
+    whole = freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
+    assert whole.seeded_calls and "random" in whole.workloads[0].tolerance_source
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(tmp_path / "problems" / problem.name)
+        runner.add_problem(tmp_path / "model")
+        for region in (problem.name, "model"):
+            ok = runner.run(Candidate(region=region, source=OWN), do_time=False)
+            assert ok.status is Status.ok, (region, ok.status, ok.reason, ok.error_text[-600:])
+            other = runner.run(Candidate(region=region, source=DRAWS_OTHER), do_time=False)
+            assert other.status is not Status.ok, (region, other.status, other.reason)
+    finally:
+        runner.close()
+
+
+HOLDS = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.hidden = torch.zeros(4, d)
+
+    def forward(self, x, initial_hidden):
+        self.hidden.copy_(initial_hidden)
+        self.hidden = torch.tanh(self.fc(x) + self.hidden)
+        return self.hidden * 2
+
+def get_init_inputs():
+    return [16]
+
+def get_inputs():
+    return [torch.randn(4, 16), torch.randn(4, 16)]
+"""
+
+
+def test_tensors_held_as_plain_attributes_survive_a_build_on_meta(tmp_path):
+    path = _write(tmp_path, "holds.py", HOLDS)
+    loaded = load_model(path, "cpu")
+    region = build_region(path, "", module_state(loaded.model), torch.device("cpu"), on_meta=True)
+    assert region.hidden.device.type == "cpu" and not region.hidden.is_meta
+    (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped and not problem.seeded_calls
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(tmp_path / "problems" / problem.name)
+        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
+        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+    finally:
+        runner.close()
+
+
+# The model's answer depends on how often it was called (a counter, as a stateful RNN's hidden
+# state does): it cannot be frozen, but its norm can.
+COUNTS = """
+import torch
+from torch import nn
+
+class Norm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+class Model(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = Norm(d)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.norm(x)
+        for _ in range(8):
+            y = y * 1.0001 + 0.001 * self.calls
+        return y
+
+def get_init_inputs():
+    return [256]
+
+def get_inputs():
+    return [torch.randn(64, 256)]
+"""
+
+
+def test_a_region_that_cannot_be_frozen_gives_way_to_its_parts(tmp_path):
+    from agent.jobs import profile_and_freeze
+    res = profile_and_freeze(_write(tmp_path, "counts.py", COUNTS), "cpu", None, tmp_path / "runs")
+    assert "Model" in res.skipped and "differs" in res.skipped["Model"], res.skipped
+    assert [p.region_class for p in res.problems] == ["Norm"], (res.problems, res.skipped)
