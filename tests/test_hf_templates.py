@@ -183,3 +183,11 @@ def test_the_trace_keeps_templates_off_regions_that_compute_something_else(regio
                                   torch.device("cpu"))
     assert not skipped and (attn.graph or {}).get("matmuls"), attn.graph
     assert not {"gated_mlp", "mlp_dual_gemm", "mlp"} & names(attn), names(attn)
+
+
+def test_a_traced_layer_norm_binds_its_weight_and_bias_as_called(regions):
+    """nn.LayerNorm starts with weight 1 and bias 0: a binding with the two swapped is right on
+    the frozen parameters and wrong on moved ones, a trial spent on a known loser."""
+    problems, _ = regions
+    bound = [(b["weight"], b["bias"]) for t, b in applicable(problems[("hf_gpt2", "LayerNorm")]) if t.name == "layernorm"]
+    assert bound and set(bound) == {("weight", "bias")}, bound

@@ -168,8 +168,20 @@ def layernorm(problem: Problem) -> list[dict]:
         return []
     names = region[1]
     pairs = [(w, b) for w, b in permutations(names, 2)] + [(w, None) for w in names]
+    traced_pair = _layer_norm_params(problem)
+    if traced_pair in pairs:  # F.layer_norm(x, shape, weight, bias): the trace says which is which
+        pairs = [traced_pair]
     return ranked([{"weight": w, "bias": b, "eps": e}
                    for w, b in pairs for e in eps_candidates(problem)])
+
+
+def _layer_norm_params(problem: Problem) -> tuple[str, str | None] | None:
+    """(weight, bias) as the traced layer_norm call took them, when there is exactly one."""
+    calls = [o for o in (problem.graph or {}).get("ops", []) if o["op"] in ("layer_norm", "native_layer_norm")]
+    if len(calls) != 1:
+        return None
+    params = [i.partition(":")[2] for i in calls[0].get("in", [])[1:] if i.startswith("param:")]
+    return (params[0], params[1] if len(params) > 1 else None) if params else None
 
 
 def softmax(problem: Problem) -> list[dict]:
