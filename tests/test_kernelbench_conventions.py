@@ -157,3 +157,56 @@ def test_a_region_that_cannot_be_frozen_gives_way_to_its_parts(tmp_path):
     res = profile_and_freeze(_write(tmp_path, "counts.py", COUNTS), "cpu", None, tmp_path / "runs")
     assert "Model" in res.skipped and "differs" in res.skipped["Model"], res.skipped
     assert [p.region_class for p in res.problems] == ["Norm"], (res.problems, res.skipped)
+
+
+ARGMAX = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return torch.argmax(x, dim=self.dim)
+
+def get_init_inputs():
+    return [1]
+
+def get_inputs():
+    return [torch.rand(8, 64, 32)]
+"""
+# Off by one index where the maximum sits in the last row: integer outputs are judged exactly.
+OFF_BY_ONE = """import torch
+
+def forward(module, x):
+    out = torch.argmax(x, dim=module.dim)
+    return torch.where(out == x.shape[module.dim] - 1, out - 1, out)
+"""
+AS_FLOAT = """import torch
+
+def forward(module, x):
+    return torch.argmax(x, dim=module.dim).float()
+"""
+
+
+def test_an_integer_output_is_frozen_and_judged_exactly(tmp_path):
+    """KernelBench's argmax and argmin problems return indices: frozen with an exact
+    tolerance, not skipped for having no floating-point output."""
+    loaded = load_model(_write(tmp_path, "argmax.py", ARGMAX), "cpu")
+    (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped and (problem.tolerance.kind, problem.tolerance.value) == ("abs", 0.0), skipped
+    whole = freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
+    assert whole.workloads[0].tolerance.value == 0.0
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(tmp_path / "problems" / problem.name)
+        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
+        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+        off = runner.run(Candidate(region=problem.name, source=OFF_BY_ONE), do_time=False)
+        assert off.status is Status.wrong, (off.status, off.reason)
+        cast = runner.run(Candidate(region=problem.name, source=AS_FLOAT), do_time=False)
+        assert cast.status is Status.shape and "dtype" in cast.reason, (cast.status, cast.reason)
+    finally:
+        runner.close()

@@ -137,8 +137,8 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             skipped.append(Skipped(choice.class_name, f"returns something that is not plain data ({absent[0]})"))
             continue
         flat = [flatten(o) for o in raw_outputs]
-        if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in flat[0][0]):
-            skipped.append(Skipped(choice.class_name, "has no floating-point output to compare"))
+        if not any(isinstance(t, torch.Tensor) and t.numel() for t in flat[0][0]):
+            skipped.append(Skipped(choice.class_name, "returns no tensor to compare"))
             continue
         reference = [{"structure": s, "outputs": outs} for outs, s in flat]
         why_absent = f" (frozen as absent: {'; '.join(absent)[:300]})" if absent else ""
@@ -163,9 +163,11 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             skipped.append(Skipped(choice.class_name, f"cannot be rebuilt on its own: {type(e).__name__}: "
                                    f"{str(e)[:300]}{why_absent}"))
             continue
-        first = next(t for t in flat[0][0] if isinstance(t, torch.Tensor) and t.is_floating_point())
-        ref_max = max(_abs_max(t) for outs, _ in flat for t in outs
-                      if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel())
+        # The tolerance follows the first floating-point output; with none (argmax's indices), exact.
+        tensors = [t for t in flat[0][0] if isinstance(t, torch.Tensor) and t.numel()]
+        first = next((t for t in tensors if t.is_floating_point()), tensors[0])
+        ref_max = max((_abs_max(t) for outs, _ in flat for t in outs
+                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()), default=0.0)
         tol, source = default_tolerance(first.dtype, ref_max), "default"
         if tolerance is not None:
             tol, source = tolerance, "cli"
@@ -272,11 +274,14 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 raise ValueError(f"the model returns something other than tensors ({structure}) on {w.name!r}")
             outs = [host_copy(t) for t in leaves]
             floats = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-            if not floats:
-                raise ValueError(f"the model has no floating-point output to compare on {w.name!r}")
-            ref_max = max(float(t.abs().max()) for t in floats)
+            tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.numel()]
+            if not tensors:
+                raise ValueError(f"the model returns no tensor to compare on {w.name!r}")
+            ref_max = max((float(t.abs().max()) for t in floats), default=0.0)
             if tolerance is not None:
                 tol, source = tolerance, "cli"
+            elif not floats:
+                tol, source = default_tolerance(tensors[0].dtype, 0.0), "default (integer outputs: exact)"
             elif random:  # a wider dtype draws other numbers: no calibration against it
                 tol, source = default_tolerance(floats[0].dtype, ref_max), "default (the model draws random numbers)"
             else:

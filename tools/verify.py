@@ -50,6 +50,8 @@ def diff(out: list[torch.Tensor | None] | None, ref: list[torch.Tensor | None]) 
         if r is None or o is None or not r.numel():
             continue
         wide = torch.promote_types(torch.promote_types(o.dtype, r.dtype), torch.float32)
+        if not (o.is_floating_point() and r.is_floating_point()):
+            wide = torch.float64  # integers past 2**24 are not exact in float32
         r_, r_finite, r_max = _widened(r, wide)
         if r_finite:  # the common case: NaN or inf in `o` would surface in the max
             m = float(torch.sub(o if o.is_floating_point() else o.to(wide), r_).abs_().max())
