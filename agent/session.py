@@ -107,6 +107,10 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
                                      trace=req.trace, trace_keep_own=req.trace_keep_own)
             run = res.run
             say(f"run folder {run.path}: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
+            for p in res.problems:
+                if p.constant_output is not None:
+                    warn(f"{p.name}: every output element is {p.constant_output:g} on its frozen inputs; a candidate "
+                         "that skips the work is correct there, and its trials are flagged")
             if not res.problems:  # the reasons here, not only in run.json
                 for name, why in res.skipped.items():
                     say(f"  skipped {name}: {why}")

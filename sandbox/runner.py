@@ -141,6 +141,10 @@ class TrialRunner:
         self.phases = dict(pre.phases) if pre else {}
         self.members_before = pre.members_before if pre else None
         trial = self._run(candidate, do_time, pre)
+        lp = self.problems.get(candidate.region)
+        if lp is not None and lp.problem.constant_output is not None and trial.status is Status.ok:
+            trial.flags.append(f"the region's output is constant ({lp.problem.constant_output:g} everywhere on its "
+                               "frozen inputs): skipping the work is correct here, not a faster kernel")
         before = self.members_before
         if self.worker.alive and before is not None and self.worker.members() - before:
             # Processes the candidate started (a compile pool, or a setsid grandchild meant to

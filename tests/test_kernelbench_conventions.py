@@ -210,3 +210,50 @@ def test_an_integer_output_is_frozen_and_judged_exactly(tmp_path):
         assert cast.status is Status.shape and "dtype" in cast.reason, (cast.status, cast.reason)
     finally:
         runner.close()
+
+
+# KernelBench level 2's Conv3d-GroupNorm-Min-Clamp: min(x, 0) then clamp to [0, 1] is zero.
+CONSTANT = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.norm = nn.GroupNorm(4, 8)
+
+    def forward(self, x):
+        x = self.norm(self.conv(x))
+        x = torch.min(x, torch.tensor(0.0))
+        return torch.clamp(x, min=0.0, max=1.0)
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.rand(2, 3, 16, 16)]
+"""
+ZEROS = """import torch
+
+def forward(module, x):
+    n, _, h, w = x.shape
+    return torch.zeros(n, module.conv.out_channels, h - 2, w - 2)
+"""
+
+
+def test_a_region_whose_output_is_constant_is_said_so_and_its_trials_flagged(tmp_path):
+    loaded = load_model(_write(tmp_path, "constant.py", CONSTANT), "cpu")
+    (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped and problem.constant_output == 0.0
+    assert any("every output element is 0" in n for n in problem.notes)
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(tmp_path / "problems" / problem.name)
+        zeros = runner.run(Candidate(region=problem.name, source=ZEROS), do_time=False)
+        assert zeros.status is Status.ok and any("constant" in f for f in zeros.flags), (zeros.status, zeros.flags)
+    finally:
+        runner.close()
+    other = load_model(_write(tmp_path, "argmax.py", ARGMAX), "cpu")
+    (varied,), _ = freeze(other, [RegionChoice("Model")], tmp_path / "problems2", torch.device("cpu"))
+    assert varied.constant_output is None

@@ -185,6 +185,10 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             skipped.append(Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
                                    f"by {drift:.3g} (> {tol}): {why}{why_absent}"))
             continue
+        constant = _constant([t for outs, _ in flat for t in outs])
+        if constant is not None:
+            notes.append(f"every output element is {constant:g} on every frozen input set: a candidate may return "
+                         "that without computing; its trials are flagged")
         graph, graph_notes = _facts(alone, inputs[0], flat[0][1], device)
         notes += graph_notes + [n for n in [admission.note()] if n]
         workloads = []
@@ -208,11 +212,23 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
             share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
             floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes),
-            inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]), seeded_calls=random)
+            inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]), seeded_calls=random,
+            constant_output=constant)
         problem.save(folder / name, inputs, reference, state)
         problems.append(problem)
         del inputs, raw_outputs, reference, flat, alone
     return problems, skipped
+
+
+def _constant(outputs: list) -> float | None:
+    """The one value every floating-point output element holds, if there is one (and more than
+    one element to hold it), else None."""
+    floats = [t for t in outputs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not floats or sum(t.numel() for t in floats) < 2:
+        return None
+    lo, hi = zip(*(torch.aminmax(t.detach().float()) for t in floats))
+    low, high = float(min(lo)), float(max(hi))
+    return low if low == high and math.isfinite(low) else None
 
 
 def model_bytes(model: torch.nn.Module) -> int:

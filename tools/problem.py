@@ -218,6 +218,10 @@ class Problem(BaseModel):
     inplace_inputs: list[str] = Field(default_factory=list)
     """Declared in-place outputs (a KV cache): where they are in an input set, "args.1" or
     "kwargs.k_cache" (tools/inplace.py). The verifier compares them with the original's."""
+    constant_output: float | None = None
+    """Every floating-point output element on every frozen input set is this one value (a
+    min then a clamp leaves only zeros): a candidate may return it without computing anything,
+    correctly here, so its speedup says nothing of a kernel; such trials are flagged."""
     seeded_calls: bool = False
     """The region draws random numbers in its forward: every call of it, the original's and a
     candidate's, starts from torch.manual_seed(tools.region.CALL_SEED)."""
