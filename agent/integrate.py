@@ -324,7 +324,8 @@ def render(result: IntegrationResult, console_width: int | None = None):
                 "error / tolerance"):
         table.add_column(col, justify="left" if col in ("workload", "error / tolerance") else "right")
     for w in result.workloads:
-        cells = [w.name, f"{w.eager_ms:.4f}", _ms(w.tuned_ms), _verdict(w), f"±{w.noise_band:.1%}"]
+        cells = [w.name, f"{w.eager_ms:.4f}", _ms(w.tuned_ms), _verdict(w) + ("" if result.accepted else " (A/A)"),
+                 f"±{w.noise_band:.1%}"]
         for n in names:
             ms, sp = w.baselines.get(n), w.baseline_speedups.get(n)
             cells.append("failed" if ms is None else f"{ms:.4f} ({sp:.2f}x)" if sp else f"{ms:.4f}")
@@ -334,8 +335,11 @@ def render(result: IntegrationResult, console_width: int | None = None):
     if result.speedup:
         band = result.noise_band or 0.0
         said = "no change" if verdict(result.speedup, band) == "no change" else f"{result.speedup:.2f}x"
+        aa = "" if result.accepted or said == "no change" else (
+            ": nothing was applied, so this is the untouched model against itself in another worker, the "
+            "measurement's own cross-process offset on this machine, not a change")
         lines.append(Text(f"weighted end-to-end: {said} (noise band ±{band:.1%})"
-                          + (" (CPU timing)" if result.timing_kind == "cpu" else "")))
+                          + (" (CPU timing)" if result.timing_kind == "cpu" else "") + aa))
     for a in result.accepted:
         lines.append(Text(f"applied {a.region}: {a.candidate_hash} ({a.template or a.planner}, region "
                           f"{a.region_speedup:.2f}x, {a.instances} instance{'s' * (a.instances != 1)})"))

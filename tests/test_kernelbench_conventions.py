@@ -257,3 +257,47 @@ def test_a_region_whose_output_is_constant_is_said_so_and_its_trials_flagged(tmp
     other = load_model(_write(tmp_path, "argmax.py", ARGMAX), "cpu")
     (varied,), _ = freeze(other, [RegionChoice("Model")], tmp_path / "problems2", torch.device("cpu"))
     assert varied.constant_output is None
+
+
+WRITES_INPUT = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        x.relu_()  # into the caller's tensor, undeclared
+        return self.fc(x) + x
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(16, 32)]
+"""
+
+
+def test_a_region_writing_into_its_input_is_frozen_from_what_it_was_called_with(tmp_path):
+    """Recorded after the call, the input would already be relu'd: the pair would not match
+    and the region was skipped as depending on outside state. The version counter shows the
+    write; the call is recorded again from copies taken before it."""
+    loaded = load_model(_write(tmp_path, "writes.py", WRITES_INPUT), "cpu")
+    (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped, skipped
+    assert any("in place (undeclared)" in n for n in problem.notes), problem.notes
+    frozen = torch.load(tmp_path / "problems" / problem.name / "inputs.pt", weights_only=True)
+    assert bool((frozen[0]["args"][0] < 0).any())  # the input as called, before its relu_
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(tmp_path / "problems" / problem.name)
+        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
+        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+        # Right answer, but leaves the caller's tensor as it was: the original changes it.
+        pure = runner.run(Candidate(region=problem.name, source=(
+            "def forward(module, x):\n    y = x.relu()\n    return module.fc(y) + y\n")), do_time=False)
+        assert pure.status is not Status.ok, (pure.status, pure.reason)
+    finally:
+        runner.close()

@@ -271,3 +271,27 @@ def test_report_on_a_run_with_no_trials_yet(tuned, tmp_path):
     assert "No stop recorded" in text
     assert "no kept candidate yet" in (run_dir / "report-progress-trials.svg").read_text()
     assert report.write_html(RunFolder.open(run_dir)) == run_dir / "report.html"
+
+
+def test_an_aa_reading_beyond_its_band_is_named_the_measurements_offset_not_a_change():
+    """Nothing applied: the 'tuned' model is the untouched one in another worker. On a loaded
+    CPU that read 0.89x beyond a ±4% band; neither the terminal nor the report may pass it off
+    as a slowdown of anything."""
+    from rich.console import Console
+
+    from agent.integrate import render
+    from agent.report.numbers import e2e_headline
+    from tools.e2e import AcceptedRegion, IntegrationResult, WorkloadResult
+    row = WorkloadResult(name="default", eager_ms=1.0, tuned_ms=1.12, speedup=0.89, noise_band=0.04, verdict="slower")
+    aa = IntegrationResult(device="cpu", workloads=[row], noise_band=0.04)
+    assert "Nothing was applied" in e2e_headline(aa) and "offset" in e2e_headline(aa)
+    console = Console(width=200, record=True)
+    console.print(render(aa))
+    printed = console.export_text()
+    assert "0.89x (A/A)" in printed and "the measurement's own cross-process offset" in printed, printed
+    applied = aa.model_copy(update={"accepted": [AcceptedRegion(region="R", candidate_hash="h", candidate_path="c.py",
+                                                                 region_speedup=2.0, instances=1)]})
+    assert "Nothing was applied" not in e2e_headline(applied)
+    console = Console(width=200, record=True)
+    console.print(render(applied))
+    assert "(A/A)" not in console.export_text()

@@ -57,6 +57,17 @@ class WorkloadInputs:
             now.copy_(before)
 
 
+def _versions(inputs: list[Any]) -> list[int]:
+    """Version counters of the input tensors: an in-place write bumps its tensor's."""
+    out = []
+    for t in tensors_in(inputs):
+        try:
+            out.append(t._version)
+        except RuntimeError:  # an inference tensor keeps none
+            out.append(-1)
+    return out
+
+
 def inplace_names(cls: type) -> tuple[str, ...]:
     """The forward arguments a module class declares it writes into (`inplace_outputs`)."""
     names = getattr(cls, "inplace_outputs", ())
@@ -309,8 +320,22 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
         raise ModelFileError(f"{path}: the model keeps tensors on {sorted(map(str, model_devices))} "
                              f"after .to({device}); register them as parameters or buffers")
     if check_forward:
+        written = []
         with torch.no_grad():
             for w in workloads:
+                before = _versions(w.inputs)
                 _call(path, f"Model.forward on workload {w.name!r}", model, *w.inputs)
+                if w.pristine is None and _versions(w.inputs) != before:
+                    written.append(w.name)
                 w.restore()
+        if written:
+            # The forward writes into its inputs (a KernelBench `x.relu_()`), undeclared: those
+            # are spent. Fresh ones from the file, kept as they were and restored after every
+            # forward the tuner runs, as a declared KV cache is.
+            again = _workloads(path, module) if trace is None else trace_workloads(path, module, trace, trace_keep_own)
+            fresh = {f.name: f for f in again}
+            for w in workloads:
+                if w.name in written and w.name in fresh:
+                    w.pristine = host_copy(fresh[w.name].inputs)
+                    w.inputs = to_device(fresh[w.name].inputs, device)
     return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs, env)

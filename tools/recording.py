@@ -93,6 +93,17 @@ def nbytes(x: Any) -> int:
     return 0
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return -1
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[Any, torch.Tensor]]:
+    return [(k, v) for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, torch.Tensor)]
+
+
 def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: list, names: list[str],
                  admission: Admission) -> tuple[list[dict], list[Any], dict[str, int], list[str]]:
     """Per workload: the region's first call ({"args", "kwargs"}), its outputs, how often it
@@ -102,15 +113,21 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
     declared = set(inplace_names(type(module)))
     inputs, outputs, per_forward, notes = [], [], {}, []
     for w in workloads:
-        for share in ((True, False) if admission.device.type == "cpu" else (False,)):
+        # Recorded after the call; a region that writes into an argument nobody declared (a
+        # KernelBench x.relu_()) would leave its output beside an input it already changed:
+        # seen by the tensors' version counters, and recorded again with every input copied first.
+        modes = [(share, False) for share in ((True, False) if admission.device.type == "cpu" else (False,))]
+        while modes:
+            share, copy_all = modes.pop(0)
             rec, seen, calls = Recorder(share), {}, [0]
 
-            def before(_m, args, kwargs, seen=seen):
+            def before(_m, args, kwargs, seen=seen, copy_all=copy_all):
                 if "pre" not in seen:  # what the first call starts from, where it writes
+                    seen["versions"] = {k: _version(v) for k, v in _tensor_args(args, kwargs)}
                     seen["pre"] = {i: a.detach().to("cpu", copy=True) for i, a in enumerate(args)
-                                   if i < len(names) and names[i] in declared and isinstance(a, torch.Tensor)}
+                                   if isinstance(a, torch.Tensor) and (copy_all or (i < len(names) and names[i] in declared))}
                     seen["pre"].update({k: v.detach().to("cpu", copy=True) for k, v in kwargs.items()
-                                        if k in declared and isinstance(v, torch.Tensor)})
+                                        if isinstance(v, torch.Tensor) and (copy_all or k in declared)})
 
             def hook(_m, args, kwargs, output, rec=rec, seen=seen, calls=calls):
                 calls[0] += 1
@@ -119,13 +136,15 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
                 admission.admit(nbytes(args) + nbytes(kwargs), nbytes(output))
                 sig = names
                 pre = seen.get("pre", {})
+                seen["mutated"] = [k for k, v in _tensor_args(args, kwargs) if k not in pre
+                                   and seen.get("versions", {}).get(k, _version(v)) != _version(v)]
                 args_plain = [pre[i] if i in pre else rec.plain(a, f"argument {sig[i] if i < len(sig) else i}")
                               for i, a in enumerate(args)]
                 seen["call"] = ({"args": args_plain, "kwargs": {k: pre[k] if k in pre else rec.plain(v, f"argument {k}")
                                                                 for k, v in kwargs.items()}},
                                 rec.plain(output, "output"))
 
-            handles = [module.register_forward_pre_hook(before, with_kwargs=True)] if declared else []
+            handles = [module.register_forward_pre_hook(before, with_kwargs=True)]
             handles.append(module.register_forward_hook(hook, with_kwargs=True))
             restore = getattr(w, "restore", None)
             try:
@@ -140,10 +159,15 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
                     restore()
             if "call" not in seen:
                 raise RuntimeError(f"it is not called in workload {w.name!r}")
-            if not rec.changed():
-                break
-            admission.inputs -= nbytes(seen["call"][0])  # recorded again, with copies
-            admission.outputs -= nbytes(seen["call"][1])
+            if seen["mutated"] and not copy_all:
+                modes = [(False, True)]
+                notes.append(f"writes into its argument {seen['mutated'][0]} in place (undeclared): "
+                             "recorded from a copy taken before the call")
+            elif not rec.changed():
+                modes = []
+            if modes:
+                admission.inputs -= nbytes(seen["call"][0])  # recorded again, with copies
+                admission.outputs -= nbytes(seen["call"][1])
         inputs.append(seen["call"][0])
         outputs.append(seen["call"][1])
         per_forward[w.name] = calls[0]

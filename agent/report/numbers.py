@@ -53,8 +53,12 @@ def e2e_headline(result: IntegrationResult) -> str:
     sp, band, said = e2e_speedup(result), result.noise_band or 0.0, e2e_verdict(result)
     if not sp:
         return "no end-to-end speedup measured."
-    return (f"**{sp:.2f}x** end to end, weighted over workloads: {said} "
+    head = (f"**{sp:.2f}x** end to end, weighted over workloads: {said} "
             f"({'inside' if said == 'no change' else 'beyond'} the A/A noise band of ±{band:.1%}).")
+    if not result.accepted and said != "no change":
+        head += (" Nothing was applied: this is the untouched model against itself in another worker, the "
+                 "measurement's own cross-process offset, not a change.")
+    return head
 
 
 def standings(w) -> tuple[list[tuple[str, float | None]], str]:
