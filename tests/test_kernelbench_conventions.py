@@ -301,3 +301,46 @@ def test_a_region_writing_into_its_input_is_frozen_from_what_it_was_called_with(
         assert pure.status is not Status.ok, (pure.status, pure.reason)
     finally:
         runner.close()
+
+
+SPECTRUM = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.fft.rfft(self.fc(x), dim=-1)
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(16, 64)]
+"""
+# Right in modulus, wrong in phase: only a comparison of the complex values sees it.
+CONJUGATE = """import torch
+
+def forward(module, x):
+    return torch.fft.rfft(module.fc(x), dim=-1).conj()
+"""
+
+
+def test_a_complex_output_is_compared_as_complex(tmp_path):
+    loaded = load_model(_write(tmp_path, "spectrum.py", SPECTRUM), "cpu")
+    (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped and problem.tolerance.value > 0, skipped
+    whole = freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
+    assert "complex" in whole.workloads[0].tolerance_source
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(tmp_path / "problems" / problem.name)
+        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
+        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+        conj = runner.run(Candidate(region=problem.name, source=CONJUGATE), do_time=False)
+        assert conj.status is Status.wrong, (conj.status, conj.reason)
+    finally:
+        runner.close()

@@ -88,7 +88,9 @@ def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: di
 
 
 def _abs_max(t: torch.Tensor) -> float:
-    """max |t| without a temporary of t's size."""
+    """max |t| without a temporary of t's size (complex: the largest modulus)."""
+    if t.is_complex():
+        return float(t.detach().abs().max())
     lo, hi = torch.aminmax(t.detach())
     return max(abs(float(lo)), abs(float(hi)))
 
@@ -165,9 +167,9 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             continue
         # The tolerance follows the first floating-point output; with none (argmax's indices), exact.
         tensors = [t for t in flat[0][0] if isinstance(t, torch.Tensor) and t.numel()]
-        first = next((t for t in tensors if t.is_floating_point()), tensors[0])
-        ref_max = max((_abs_max(t) for outs, _ in flat for t in outs
-                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()), default=0.0)
+        first = next((t for t in tensors if t.is_floating_point() or t.is_complex()), tensors[0])
+        ref_max = max((_abs_max(t) for outs, _ in flat for t in outs if isinstance(t, torch.Tensor)
+                       and (t.is_floating_point() or t.is_complex()) and t.numel()), default=0.0)
         tol, source = default_tolerance(first.dtype, ref_max), "default"
         if tolerance is not None:
             tol, source = tolerance, "cli"
@@ -289,8 +291,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
             if structure.startswith("?") or "?" in structure:
                 raise ValueError(f"the model returns something other than tensors ({structure}) on {w.name!r}")
             outs = [host_copy(t) for t in leaves]
-            floats = [t for t in outs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
             tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.numel()]
+            floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
             if not tensors:
                 raise ValueError(f"the model returns no tensor to compare on {w.name!r}")
             ref_max = max((float(t.abs().max()) for t in floats), default=0.0)
@@ -300,6 +302,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 tol, source = default_tolerance(tensors[0].dtype, 0.0), "default (integer outputs: exact)"
             elif random:  # a wider dtype draws other numbers: no calibration against it
                 tol, source = default_tolerance(floats[0].dtype, ref_max), "default (the model draws random numbers)"
+            elif any(t.is_complex() for t in floats):  # the wide run's casts would drop imaginary parts
+                tol, source = default_tolerance(floats[0].dtype, ref_max), "default (complex outputs)"
             else:
                 tol, source = calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
             if hasattr(w, "restore"):

@@ -94,11 +94,12 @@ def default_tolerance(dtype: torch.dtype, ref_max: float) -> Tolerance:
     import torch  # here, not at the top: the CLI reads problems (status, report) without torch
     if not (dtype.is_floating_point or dtype.is_complex):
         return Tolerance(kind="abs", value=0.0)  # indices, counts, masks: exactly, or wrong
-    name = str(dtype).removeprefix("torch.")
+    name = {"complex64": "float32", "complex128": "float64"}.get(str(dtype).removeprefix("torch."),
+                                                               str(dtype).removeprefix("torch."))
     table = DEFAULT_TOLERANCE.get(name, DEFAULT_TOLERANCE["float32"])
     if ref_max > WIDE_RANGE:
         return Tolerance(kind="rel", value=table["rel"])
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point or dtype.is_complex else 0.0
     step = eps * 2.0 ** math.floor(math.log2(ref_max)) if ref_max > 0 else 0.0
     return Tolerance(kind="abs", value=max(table["abs"], 2 * step))
 

@@ -44,17 +44,21 @@ class Diff:
 
 def diff(out: list[torch.Tensor | None] | None, ref: list[torch.Tensor | None]) -> Diff:
     """Worst absolute difference over all output tensors. Computed in float32 for 16-bit and
-    32-bit outputs (a bf16 or fp16 difference is exact there) and float64 for float64."""
+    32-bit outputs (a bf16 or fp16 difference is exact there), float64 for float64 and
+    integers, complex128 for complex outputs (the modulus of the difference)."""
     max_abs, ref_max, bad = 0.0, 0.0, 0
     for o, r in zip(out, ref):
         if r is None or o is None or not r.numel():
             continue
         wide = torch.promote_types(torch.promote_types(o.dtype, r.dtype), torch.float32)
-        if not (o.is_floating_point() and r.is_floating_point()):
+        if o.is_complex() or r.is_complex():
+            wide = torch.complex128
+        elif not (o.is_floating_point() and r.is_floating_point()):
             wide = torch.float64  # integers past 2**24 are not exact in float32
         r_, r_finite, r_max = _widened(r, wide)
         if r_finite:  # the common case: NaN or inf in `o` would surface in the max
-            m = float(torch.sub(o if o.is_floating_point() else o.to(wide), r_).abs_().max())
+            delta = torch.sub(o if o.is_floating_point() else o.to(wide), r_)
+            m = float((delta.abs() if delta.is_complex() else delta.abs_()).max())
             if math.isfinite(m):
                 max_abs, ref_max = max(max_abs, m), max(ref_max, r_max)
                 continue
@@ -62,7 +66,8 @@ def diff(out: list[torch.Tensor | None] | None, ref: list[torch.Tensor | None]) 
         finite_r, finite_o = torch.isfinite(r_), torch.isfinite(o_)
         bad += int((~finite_o & finite_r).sum())
         same_special = (~finite_r) & ((o_ == r_) | (torch.isnan(o_) & torch.isnan(r_)))
-        d = torch.nan_to_num(torch.where(same_special, torch.zeros_like(o_), (o_ - r_).abs()), nan=math.inf)
+        gap = (o_ - r_).abs()
+        d = torch.nan_to_num(torch.where(same_special, torch.zeros_like(gap), gap), nan=math.inf)
         max_abs = max(max_abs, float(d.max()))
         ref_max = max(ref_max, float(r_[finite_r].abs().max()) if finite_r.any() else 0.0)
     return Diff(max_abs, ref_max, bad)
