@@ -110,19 +110,24 @@ def get_init_inputs():
 '''
 
 
+def _freeze_one(tmp_path: Path, source: str, cls: str):
+    """The one region `cls` of the model file `source`, frozen under tmp_path/p."""
+    model = tmp_path / f"{cls.lower()}.py"
+    model.write_text(source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' config chatter
+        (problem,), skipped = freeze(load_model(model, "cpu"), [RegionChoice(cls)], tmp_path / "p", torch.device("cpu"))
+    assert not skipped, skipped
+    return problem
+
+
 def test_gemmas_norm_scales_by_one_plus_weight_and_its_template_knows(regions, tmp_path):
     """Gemma's RMSNorm is x * rstd * (1 + w): the rmsnorm template binds that form where the
     trace shows the second add (Llama's shows one and gets only its own), and passes."""
     problems, _ = regions
     llama = [b for t, b in applicable(problems[("hf_llama", "LlamaRMSNorm")]) if t.name == "rmsnorm"]
     assert llama and {b["unit_offset"] for b in llama} == {False}
-    model = tmp_path / "gemma_norm.py"
-    model.write_text(GEMMA_NORM)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        (problem,), skipped = freeze(load_model(model, "cpu"), [RegionChoice("GemmaRMSNorm")], tmp_path / "p",
-                                     torch.device("cpu"))
-    assert not skipped
+    problem = _freeze_one(tmp_path, GEMMA_NORM, "GemmaRMSNorm")
     offered = [(t, b) for t, b in applicable(problem) if t.name == "rmsnorm"]
     assert [b["unit_offset"] for _, b in offered][:1] == [True]
     runner = TrialRunner("cpu")
@@ -175,13 +180,8 @@ def test_the_trace_keeps_templates_off_regions_that_compute_something_else(regio
     assert "layernorm" in names(problems[("hf_gpt2", "LayerNorm")])
     assert "rmsnorm" not in names(problems[("hf_gpt2", "LayerNorm")])
     assert "rmsnorm" in names(problems[("hf_llama", "LlamaRMSNorm")])
-    model = tmp_path / "bert.py"
-    model.write_text(BERT)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        (attn,), skipped = freeze(load_model(model, "cpu"), [RegionChoice("BertSelfAttention")], tmp_path / "p",
-                                  torch.device("cpu"))
-    assert not skipped and (attn.graph or {}).get("matmuls"), attn.graph
+    attn = _freeze_one(tmp_path, BERT, "BertSelfAttention")
+    assert (attn.graph or {}).get("matmuls"), attn.graph
     assert not {"gated_mlp", "mlp_dual_gemm", "mlp"} & names(attn), names(attn)
 
 

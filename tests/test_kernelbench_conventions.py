@@ -52,6 +52,17 @@ def forward(module, x):
 """
 
 
+def _judged(folders: list, *trials: tuple[str, str]) -> list:
+    """Each (region, source) verified in one sandbox runner holding the problems in `folders`."""
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        for folder in folders:
+            runner.add_problem(folder)
+        return [runner.run(Candidate(region=region, source=source), do_time=False) for region, source in trials]
+    finally:
+        runner.close()
+
+
 def _write(tmp_path, name, source):
     path = tmp_path / name
     path.write_text(textwrap.dedent(source))
@@ -65,17 +76,12 @@ def test_a_forward_that_draws_random_numbers_is_called_seeded_and_judged(tmp_pat
     assert any("random" in n for n in problem.notes)
     whole = freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
     assert whole.seeded_calls and "random" in whole.workloads[0].tolerance_source
-    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
-    try:
-        runner.add_problem(tmp_path / "problems" / problem.name)
-        runner.add_problem(tmp_path / "model")
-        for region in (problem.name, "model"):
-            ok = runner.run(Candidate(region=region, source=OWN), do_time=False)
-            assert ok.status is Status.ok, (region, ok.status, ok.reason, ok.error_text[-600:])
-            other = runner.run(Candidate(region=region, source=DRAWS_OTHER), do_time=False)
-            assert other.status is not Status.ok, (region, other.status, other.reason)
-    finally:
-        runner.close()
+    regions = (problem.name, "model")
+    trials = _judged([tmp_path / "problems" / problem.name, tmp_path / "model"],
+                     *[(r, source) for r in regions for source in (OWN, DRAWS_OTHER)])
+    for region, ok, other in zip(regions, trials[::2], trials[1::2]):
+        assert ok.status is Status.ok, (region, ok.status, ok.reason, ok.error_text[-600:])
+        assert other.status is not Status.ok, (region, other.status, other.reason)
 
 
 HOLDS = """
@@ -108,13 +114,8 @@ def test_tensors_held_as_plain_attributes_survive_a_build_on_meta(tmp_path):
     assert region.hidden.device.type == "cpu" and not region.hidden.is_meta
     (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
     assert not skipped and not problem.seeded_calls
-    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
-    try:
-        runner.add_problem(tmp_path / "problems" / problem.name)
-        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
-        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
-    finally:
-        runner.close()
+    (ok,) = _judged([tmp_path / "problems" / problem.name], (problem.name, OWN))
+    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
 
 
 # The model's answer depends on how often it was called (a counter, as a stateful RNN's hidden
@@ -199,17 +200,11 @@ def test_an_integer_output_is_frozen_and_judged_exactly(tmp_path):
     assert not skipped and (problem.tolerance.kind, problem.tolerance.value) == ("abs", 0.0), skipped
     whole = freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
     assert whole.workloads[0].tolerance.value == 0.0
-    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
-    try:
-        runner.add_problem(tmp_path / "problems" / problem.name)
-        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
-        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
-        off = runner.run(Candidate(region=problem.name, source=OFF_BY_ONE), do_time=False)
-        assert off.status is Status.wrong, (off.status, off.reason)
-        cast = runner.run(Candidate(region=problem.name, source=AS_FLOAT), do_time=False)
-        assert cast.status is Status.shape and "dtype" in cast.reason, (cast.status, cast.reason)
-    finally:
-        runner.close()
+    ok, off, cast = _judged([tmp_path / "problems" / problem.name], (problem.name, OWN),
+                            (problem.name, OFF_BY_ONE), (problem.name, AS_FLOAT))
+    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+    assert off.status is Status.wrong, (off.status, off.reason)
+    assert cast.status is Status.shape and "dtype" in cast.reason, (cast.status, cast.reason)
 
 
 # KernelBench level 2's Conv3d-GroupNorm-Min-Clamp: min(x, 0) then clamp to [0, 1] is zero.
@@ -247,13 +242,8 @@ def test_a_region_whose_output_is_constant_is_said_so_and_its_trials_flagged(tmp
     (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
     assert not skipped and problem.constant_output == 0.0
     assert any("every output element is 0" in n for n in problem.notes)
-    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
-    try:
-        runner.add_problem(tmp_path / "problems" / problem.name)
-        zeros = runner.run(Candidate(region=problem.name, source=ZEROS), do_time=False)
-        assert zeros.status is Status.ok and any("constant" in f for f in zeros.flags), (zeros.status, zeros.flags)
-    finally:
-        runner.close()
+    (zeros,) = _judged([tmp_path / "problems" / problem.name], (problem.name, ZEROS))
+    assert zeros.status is Status.ok and any("constant" in f for f in zeros.flags), (zeros.status, zeros.flags)
     other = load_model(_write(tmp_path, "argmax.py", ARGMAX), "cpu")
     (varied,), _ = freeze(other, [RegionChoice("Model")], tmp_path / "problems2", torch.device("cpu"))
     assert varied.constant_output is None
@@ -290,17 +280,11 @@ def test_a_region_writing_into_its_input_is_frozen_from_what_it_was_called_with(
     assert any("in place (undeclared)" in n for n in problem.notes), problem.notes
     frozen = torch.load(tmp_path / "problems" / problem.name / "inputs.pt", weights_only=True)
     assert bool((frozen[0]["args"][0] < 0).any())  # the input as called, before its relu_
-    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
-    try:
-        runner.add_problem(tmp_path / "problems" / problem.name)
-        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
-        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
-        # Right answer, but leaves the caller's tensor as it was: the original changes it.
-        pure = runner.run(Candidate(region=problem.name, source=(
-            "def forward(module, x):\n    y = x.relu()\n    return module.fc(y) + y\n")), do_time=False)
-        assert pure.status is not Status.ok, (pure.status, pure.reason)
-    finally:
-        runner.close()
+    # The right answer, but the caller's tensor left as it was, where the original changes it.
+    pure = "def forward(module, x):\n    y = x.relu()\n    return module.fc(y) + y\n"
+    ok, left_alone = _judged([tmp_path / "problems" / problem.name], (problem.name, OWN), (problem.name, pure))
+    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+    assert left_alone.status is not Status.ok, (left_alone.status, left_alone.reason)
 
 
 SPECTRUM = """
@@ -335,12 +319,6 @@ def test_a_complex_output_is_compared_as_complex(tmp_path):
     assert not skipped and problem.tolerance.value > 0, skipped
     whole = freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
     assert "complex" in whole.workloads[0].tolerance_source
-    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
-    try:
-        runner.add_problem(tmp_path / "problems" / problem.name)
-        ok = runner.run(Candidate(region=problem.name, source=OWN), do_time=False)
-        assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
-        conj = runner.run(Candidate(region=problem.name, source=CONJUGATE), do_time=False)
-        assert conj.status is Status.wrong, (conj.status, conj.reason)
-    finally:
-        runner.close()
+    ok, conj = _judged([tmp_path / "problems" / problem.name], (problem.name, OWN), (problem.name, CONJUGATE))
+    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+    assert conj.status is Status.wrong, (conj.status, conj.reason)

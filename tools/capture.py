@@ -150,15 +150,12 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             with torch.no_grad():
                 again, random = draws_random(lambda: [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0]
                                                       for s in inputs], device)
-                if random:  # no fixed answer: today's outputs are the seeded calls' (`CALL_SEED`)
-                    again = []
-                    for s in inputs:
-                        args, kwargs = call_args(s, device)
-                        with seeded_rng(device):
-                            again.append(flatten(alone(*args, **kwargs))[0])
+                if random:  # no fixed answer: today's outputs are the seeded calls' (`CALL_SEED`),
+                    # and the check below is a second seeded run against them: seeded, it must agree.
                     flat = [([host_copy(t) if isinstance(t, torch.Tensor) else t for t in outs], structure)
-                            for outs, (_, structure) in zip(again, flat)]
+                            for outs, (_, structure) in zip(_seeded_calls(alone, inputs, device), flat)]
                     reference = [{"structure": st, "outputs": outs} for outs, st in flat]
+                    again = _seeded_calls(alone, inputs, device)
                     notes.append(f"draws random numbers in its forward: every call of it (the original's and each "
                                  f"candidate's) starts from torch.manual_seed({CALL_SEED})")
         except Exception as e:
@@ -220,6 +217,16 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
         problems.append(problem)
         del inputs, raw_outputs, reference, flat, alone
     return problems, skipped
+
+
+def _seeded_calls(region: torch.nn.Module, inputs: list[dict], device: torch.device) -> list[list]:
+    """The region's outputs on each input set, each call from torch.manual_seed(CALL_SEED)."""
+    out = []
+    for s in inputs:
+        args, kwargs = call_args(s, device)
+        with seeded_rng(device):
+            out.append(flatten(region(*args, **kwargs))[0])
+    return out
 
 
 def _constant(outputs: list) -> float | None:

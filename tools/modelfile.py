@@ -57,15 +57,16 @@ class WorkloadInputs:
             now.copy_(before)
 
 
+def tensor_version(t: Any) -> int:
+    """A tensor's version counter (an in-place write bumps it); -1 for an inference tensor, which keeps none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _versions(inputs: list[Any]) -> list[int]:
-    """Version counters of the input tensors: an in-place write bumps its tensor's."""
-    out = []
-    for t in tensors_in(inputs):
-        try:
-            out.append(t._version)
-        except RuntimeError:  # an inference tensor keeps none
-            out.append(-1)
-    return out
+    return [tensor_version(t) for t in tensors_in(inputs)]
 
 
 def inplace_names(cls: type) -> tuple[str, ...]:

@@ -93,13 +93,6 @@ def nbytes(x: Any) -> int:
     return 0
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor keeps no version counter
-        return -1
-
-
 def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[Any, torch.Tensor]]:
     return [(k, v) for k, v in [*enumerate(args), *kwargs.items()] if isinstance(v, torch.Tensor)]
 
@@ -109,7 +102,7 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
     """Per workload: the region's first call ({"args", "kwargs"}), its outputs, how often it
     runs per forward, and notes on what was not plain data. Raises DoesNotFit (from
     `admission`) before copying a workload that cannot fit; RuntimeError if never called."""
-    from tools.modelfile import inplace_names
+    from tools.modelfile import inplace_names, tensor_version
     declared = set(inplace_names(type(module)))
     inputs, outputs, per_forward, notes = [], [], {}, []
     for w in workloads:
@@ -123,7 +116,7 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
 
             def before(_m, args, kwargs, seen=seen, copy_all=copy_all):
                 if "pre" not in seen:  # what the first call starts from, where it writes
-                    seen["versions"] = {k: _version(v) for k, v in _tensor_args(args, kwargs)}
+                    seen["versions"] = {k: tensor_version(v) for k, v in _tensor_args(args, kwargs)}
                     seen["pre"] = {i: a.detach().to("cpu", copy=True) for i, a in enumerate(args)
                                    if isinstance(a, torch.Tensor) and (copy_all or (i < len(names) and names[i] in declared))}
                     seen["pre"].update({k: v.detach().to("cpu", copy=True) for k, v in kwargs.items()
@@ -137,7 +130,7 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
                 sig = names
                 pre = seen.get("pre", {})
                 seen["mutated"] = [k for k, v in _tensor_args(args, kwargs) if k not in pre
-                                   and seen.get("versions", {}).get(k, _version(v)) != _version(v)]
+                                   and seen.get("versions", {}).get(k, tensor_version(v)) != tensor_version(v)]
                 args_plain = [pre[i] if i in pre else rec.plain(a, f"argument {sig[i] if i < len(sig) else i}")
                               for i, a in enumerate(args)]
                 seen["call"] = ({"args": args_plain, "kwargs": {k: pre[k] if k in pre else rec.plain(v, f"argument {k}")
