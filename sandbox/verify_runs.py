@@ -57,7 +57,8 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
             _poison(w, poison, size)
         in_spans = T.spans_of([args, kwargs])
         earlier = [T.span(t) for _, leaves, _ in pending for t in leaves if isinstance(t, torch.Tensor)]
-        fill = T.fill_uninitialized(torch, math.isnan(poison)) if poison is not None else contextlib.nullcontext()
+        nan_fill = poison is not None and math.isnan(poison) and w.device.type == "cpu"
+        fill = T.fill_uninitialized(torch) if nan_fill else contextlib.nullcontext()
         with fill:
             out = w._call(lambda: fwd(mod, *args, **kwargs), "run")
             # Copied on the current stream at once: work left on a side stream is a race here.
@@ -82,7 +83,7 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
                 mutated["frozen"].append(i)
             post_inputs.append(T.host({"args": args, "kwargs": kwargs}) if req.get("effects", [False] * n)[i] else None)
             args, kwargs = w._device_set(p, i)
-            call(f"b {i}", module, args, kwargs, T.fill_uninitialized.SENTINEL, sizes[i])
+            call(f"b {i}", module, args, kwargs, T.SENTINEL, sizes[i])
             if _changed(T.host({"args": args, "kwargs": kwargs}), p["inputs"][i]) and i not in mutated["frozen"]:
                 mutated["frozen"].append(i)
         for item in req.get("fresh", []):

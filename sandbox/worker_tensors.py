@@ -10,7 +10,6 @@ same tensors bit for bit, and the tuner never has to ship them.
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from typing import Any
 
@@ -20,57 +19,38 @@ PERTURB = 0.25
 """Size of a parameter perturbation, relative to the parameter's own spread."""
 
 
+SENTINEL = 7777.0
+"""The finite value freed memory holds on the second verification call of each input set."""
+
+
 class fill_uninitialized:
-    """While active, fresh memory from torch.empty & co. is filled: with NaN (deterministic
-    mode's fill) for the first run, with a finite sentinel for the others. An output never
-    written then reads NaN in one run and not in the other, whatever the allocator hands out
-    (on the CPU, malloc may return the first run's NaN-filled block to the second)."""
+    """While active, fresh CPU memory from torch.empty & co. is filled with NaN (torch's own
+    deterministic-mode fill): an output never written reads NaN, whatever malloc hands out.
 
-    SENTINEL = 7777.0
+    Only on the CPU, and only the first call: on CUDA the caching allocator hands back the
+    poisoned blocks (verify_runs._poison), so no switch is needed. The switch is guarded global
+    state for torch.compile, so a compiled candidate compiles once more for this call; what
+    must never surround a candidate's call is a Python TorchDispatchMode: dynamo then marks
+    the frame as skipped for good and every later call, the timed ones too, runs eager."""
 
-    def __init__(self, torch, nan: bool):
-        self.torch, self.nan, self.mode, self.before = torch, nan, None, None
+    def __init__(self, torch):
+        self.torch, self.before = torch, None
 
     def __enter__(self):
         torch = self.torch
-        if self.nan:
-            warnings.filterwarnings("ignore")
-            # The C switch itself: torch.use_deterministic_algorithms also sets inductor's config,
-            # importing torch._dynamo (seconds of a worker's start, and it wraps torch functions).
-            self.before = (torch.are_deterministic_algorithms_enabled(),
-                           torch.is_deterministic_algorithms_warn_only_enabled())
-            torch._C._set_deterministic_algorithms(True, warn_only=True)
-            torch.utils.deterministic.fill_uninitialized_memory = True
-            return
-        from torch.utils._python_dispatch import TorchDispatchMode
-        aten = torch.ops.aten
-        empties = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
-                   aten.new_empty.default, aten.new_empty_strided.default}
-        sentinel = self.SENTINEL
-
-        class FillEmpty(TorchDispatchMode):
-            @classmethod
-            def _should_skip_dynamo(cls) -> bool:
-                # torch wraps a mode's handler so that torch.compile never traces it, and the wrapper
-                # imports dynamo on first use (seconds of a worker's first trial): needed only once a
-                # candidate has imported dynamo (a compiling one has, on the run before this one).
-                return "torch._dynamo" in sys.modules
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func in empties and isinstance(out, torch.Tensor) and out.numel():
-                    out.fill_(sentinel if (out.is_floating_point() or out.is_complex()) else 77)
-                return out
-
-        self.mode = FillEmpty()
-        self.mode.__enter__()
+        warnings.filterwarnings("ignore")
+        # The C switch itself: torch.use_deterministic_algorithms also sets inductor's config,
+        # importing torch._dynamo (seconds of a worker's start, and it wraps torch functions).
+        self.before = (torch.are_deterministic_algorithms_enabled(),
+                       torch.is_deterministic_algorithms_warn_only_enabled(),
+                       torch.utils.deterministic.fill_uninitialized_memory)
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
 
     def __exit__(self, *exc):
-        if self.nan:
-            mode, warn_only = self.before
-            self.torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
-        elif self.mode is not None:
-            self.mode.__exit__(*exc)
+        mode, warn_only, fill = self.before
+        self.torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+        self.torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 # -- what an output is --------------------------------------------------------------------
