@@ -29,6 +29,7 @@ from agent.history import CandidateRecord
 from agent.jobs import UserError, resolve_device
 from agent.loop import load_history
 from agent.prompting import render_code
+from agent.report.numbers import standings
 from sandbox.client import WorkerConfig
 from sandbox.device_lock import DeviceLock
 from sandbox.runner import Limits, TrialRunner, seed
@@ -46,6 +47,11 @@ BASELINES: dict[str, str | None] = {"torch.compile": None,
                                     "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
                                     "reduce-overhead": "reduce-overhead"}
 """Baseline name -> torch.compile mode (None: the default mode)."""
+
+
+def composed_name(baseline: str) -> str:
+    """The way of running our kernels inside a compile mode: 'nightshift + reduce-overhead'."""
+    return f"nightshift + {baseline}"
 
 
 class IntegrationError(Exception):
@@ -77,6 +83,16 @@ def graphed_candidate(routes: list[tuple[Problem, str]]) -> Candidate:
     return Candidate(region="model", source=source, planner="integrate", template="cuda_graph",
                      params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
                                         for p, src in routes}, "cuda_graph": True})
+
+
+def composed_candidate(routes: list[tuple[Problem, str]], mode: str | None) -> Candidate:
+    """The routed model under torch.compile: each winner an opaque custom op the compiler fuses
+    around (and, with reduce-overhead, captures in its CUDA graphs)."""
+    source = render_code("kernels/route_model_compiled.py.j2", mode=mode,
+                         routes=[{"cls": p.region_class, "source": src} for p, src in routes])
+    return Candidate(region="model", source=source, planner="integrate", template="torch_compile",
+                     params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
+                                        for p, src in routes}, "mode": mode})
 
 
 def compile_candidate(mode: str | None) -> Candidate:
@@ -166,8 +182,10 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
         if dev.type == "cuda" and cuda_graphs:  # the integration step for launch-bound workloads
             ways.append(("graphed", graphed_candidate(routes)))
         if baselines:
-            ways += [(name, compile_candidate(mode)) for name, mode in BASELINES.items()
-                     if modes is None or name in modes]
+            chosen = [(name, mode) for name, mode in BASELINES.items() if modes is None or name in modes]
+            ways += [(name, compile_candidate(mode)) for name, mode in chosen]
+            if routes:  # our kernels inside the compiled model, the way a torch.compile user runs it
+                ways += [(composed_name(name), composed_candidate(routes, mode)) for name, mode in chosen]
         elif dev.type == "cpu":
             note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
         runner.worker.kill()
@@ -190,9 +208,18 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
                                error=final.workload_errors.get(w.name), tolerance=str(model.tolerance_for(i)))
                 for i, (w, t) in enumerate(zip(model.workloads, final.timings))]
         errors: dict[str, str] = {}
-        for name in BASELINES:
-            if (b := trials.get(name)) is None:
+        fallbacks: dict[str, str] = {}
+        dynamo: dict[str, dict] = {}
+        for way in [*BASELINES, *map(composed_name, BASELINES)]:
+            if (b := trials.get(way)) is None:
                 continue
+            name = way
+            if b.dynamo:
+                dynamo[way] = b.dynamo
+            # A compiled way that ran eager is never called by the compiler's name.
+            if (why := b.compile_fallback) and (way in BASELINES or why.startswith("fell back")):
+                name = f"{way} (ran eager)" if why.startswith("fell back") else f"{way} (partly eager)"
+                fallbacks[name] = why
             if b.status.value != "ok":
                 errors[name] = f"{b.status.value}: {b.reason}"
             for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
@@ -204,7 +231,7 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     result = IntegrationResult(
         device=worker_device, device_name=hello.get("device_name", ""), generation=hello.get("generation", ""),
         timing_kind=final.timings[0].timing_kind if final.timings else "cpu", workloads=rows, dropped=dropped,
-        baseline_errors=errors, notes=notes, noise_band=final.noise_band, cuda_graph=graphed,
+        baseline_errors=errors, baseline_fallbacks=fallbacks, dynamo=dynamo, notes=notes, noise_band=final.noise_band, cuda_graph=graphed,
         accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
                                  candidate_path=str(_path(run, rec)), planner=rec.planner, template=rec.template,
                                  region_speedup=rec.score(history.targets(p.name)), instances=len(p.instances))
@@ -318,7 +345,7 @@ def render(result: IntegrationResult, console_width: int | None = None):
     from rich.table import Table
     from rich.text import Text
     kind = "CPU timings, not GPU numbers" if result.timing_kind == "cpu" else f"GPU timings, {result.device_name}"
-    names = [n for n in BASELINES if any(n in w.baselines for w in result.workloads)]
+    names = list(dict.fromkeys(n for w in result.workloads for n in w.baselines))
     table = Table(title=f"end to end ({kind})", title_justify="left")
     for col in ("workload", "eager ms", "tuned ms", "speedup", "noise band", *[f"{n} ms" for n in names],
                 "error / tolerance"):
@@ -347,9 +374,20 @@ def render(result: IntegrationResult, console_width: int | None = None):
         lines.append(Text(f"dropped {d.region} {d.candidate_hash}: {d.reason}"))
     for name, text in result.baseline_errors.items():
         lines.append(Text(f"baseline {name} failed: {_first_line(text)}"))
+    for name, why in result.baseline_fallbacks.items():
+        lines.append(Text(f"{name}: torch.compile {why} (dynamo: {_counts(result.dynamo.get(name.split(' (')[0]))})"))
+    for w in result.workloads:
+        lines.append(Text(f"{w.name}: {standings(w)[1]}"))
     for n in result.notes:
         lines.append(Text(f"note: {n}"))
     return Group(*lines)
+
+
+def _counts(info: dict | None) -> str:
+    if not info:
+        return "no counters"
+    return (f"{info.get('graphs', 0)} graphs, {info.get('graph_breaks', 0)} breaks, "
+            f"{info.get('recompiles', 0)} recompiles, compiled regions per call {info.get('regions')}")
 
 
 def _verdict(w: WorkloadResult) -> str:
@@ -368,4 +406,5 @@ def summary(result: IntegrationResult) -> dict:
             "accepted": [a.region for a in result.accepted],
             "dropped": [{"region": d.region, "candidate": d.candidate_hash, "reason": d.reason}
                         for d in result.dropped],
-            "workloads": [w.model_dump() for w in result.workloads]}
+            "workloads": [{**w.model_dump(), "fastest": standings(w)[1]} for w in result.workloads],
+            "compile_fallbacks": result.baseline_fallbacks, "dynamo": result.dynamo}

@@ -15,6 +15,7 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,13 @@ class LoadedProblem:
     folder: Path
     reference: list[dict]
     pre_inputs: list | None = None
+
+
+SEED_SETS = 2
+"""Fresh-input and perturbation draws per problem and reference worker, used in turn: the
+original's answers to each are computed once and kept (a draw costs the reference worker the
+original's run on every input set; the answers never reach a candidate worker either way)."""
+_seed_sets: "weakref.WeakKeyDictionary[ReferenceWorker, dict[str, list]]" = weakref.WeakKeyDictionary()
 
 
 def seed() -> int:
@@ -141,6 +149,8 @@ class TrialRunner:
         self.phases = dict(pre.phases) if pre else {}
         self.members_before = pre.members_before if pre else None
         trial = self._run(candidate, do_time, pre)
+        if trial.status is Status.ok and self.worker.alive:
+            self._probe_compiled(trial)
         lp = self.problems.get(candidate.region)
         if lp is not None and lp.problem.constant_output is not None and trial.status is Status.ok:
             trial.flags.append(f"the region's output is constant ({lp.problem.constant_output:g} everywhere on its "
@@ -158,6 +168,16 @@ class TrialRunner:
         trial.phases = dict(self.phases)
         trial.finished_at = time.time()
         return trial
+
+    def _probe_compiled(self, trial: Trial) -> None:
+        """A candidate that uses torch.compile says how it really ran (sandbox/compiled.py): a
+        way that fell back to eager is flagged, never ranked under the compiler's name."""
+        with self.device_lock:
+            reply = self.worker.request({"op": "compiled"}, timeout=self.limits.run_s)
+        if reply.ok and reply.header.get("dynamo"):
+            trial.dynamo = reply.header["dynamo"]
+            if why := trial.compile_fallback:
+                trial.flags.append(f"torch.compile {why}")
 
     def _base(self, c: Candidate, lp: LoadedProblem | None) -> dict[str, Any]:
         h = self.worker.hello or self.reference.hello
@@ -245,13 +265,15 @@ class TrialRunner:
     def _verify(self, c: Candidate, lp: LoadedProblem, reg) -> tuple[verify.Verdict | None, Trial | None]:
         lim, p = self.limits, lp.problem
         n = len(lp.reference)
-        s_fresh, s_perturb = self.verify_seeds or (seed(), seed())
+        s_fresh, s_perturb = self.verify_seeds or self._seed_set(c.region)
         fresh = [{"set": i, "seed": s_fresh + 7 * i} for i in range(n)]
         perturb = {"set": _smallest_set(p), "seed": s_perturb}
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
+        t_wait = time.monotonic()
         with self.device_lock:
             t_refs = time.monotonic()
-            refs = self.reference.refs(c.region, fresh, perturb, lim.run_s, keep=self.verify_seeds is not None)
+            self.phases["lock_wait"] = self.phases.get("lock_wait", 0.0) + t_refs - t_wait
+            refs = self.reference.refs(c.region, fresh, perturb, lim.run_s, keep=True)
             self.phases["refs"] = time.monotonic() - t_refs  # the original's answers (0 when kept)
             if not refs.ok:
                 return None, self._fail(c, lp, Reply(False, status="lost", error="the reference worker failed: "
@@ -274,7 +296,19 @@ class TrialRunner:
         ev = verify.Evidence(reference=lp.reference, effects=reg.effects, fresh=refs.tensors["fresh"],
                              fresh_sets=[f["set"] for f in fresh], perturbed=refs.tensors["perturbed"],
                              perturbed_set=perturb["set"], pre_inputs=_pre_inputs(lp, reg))
-        return verify.judge(p, ev, reply.header, runs, self.device.split(":")[0]), None
+        t_judge = time.monotonic()
+        verdict = verify.judge(p, ev, reply.header, runs, self.device.split(":")[0])
+        self.phases["judge"] = time.monotonic() - t_judge
+        return verdict, None
+
+    def _seed_set(self, region: str) -> tuple[int, int]:
+        """The next of the problem's `SEED_SETS` draws, shared by the runners of one reference worker."""
+        sets = _seed_sets.setdefault(self.reference, {}).setdefault(region, [])
+        if len(sets) < SEED_SETS:
+            sets.append((seed(), seed()))
+            return sets[-1]
+        sets.append(sets.pop(0))
+        return sets[-1]
 
     def _suspicious(self, c: Candidate, lp: LoadedProblem, reason: str, **extra: Any) -> Trial:
         self.worker.kill()

@@ -82,6 +82,8 @@ class Worker:
         self.classes: list[type] = []
         self.verified: tuple | None = None
         """What the last verification runs saw, until `op_verify_outputs` sends it."""
+        self.dynamo_before: dict = {}
+        """dynamo's counters when the loaded candidate was imported (`op_compiled` reports the change)."""
         self.kept: list = []
         """Output copies of the last candidate batch, until the tuner picks its sample."""
 
@@ -216,6 +218,9 @@ class Worker:
             return {"ok": False, "error": "the reference worker never runs candidate code"}, None
         self.release()
         self.candidates_run += 1
+        if "torch._dynamo" in sys.modules:  # counters are per process: the probe reports this candidate's
+            from sandbox import compiled
+            self.dynamo_before = compiled.counters()
         p = self.problems[req["problem"]]
         path = os.path.join(self.workdir, f"candidate_{req['hash']}.py")
         tmp = path + ".tmp"
@@ -245,6 +250,24 @@ class Worker:
         self._sync()
         return {"ok": True, "compile_s": time.perf_counter() - t0,
                 "tampered": integrity.changed(self.snapshot, self.classes, list(COMPUTE_OPS))}, None
+
+    def op_compiled(self, req: dict, _: Any) -> tuple[dict, Any]:
+        """How the loaded candidate really runs under torch.compile, if it uses it: dynamo's
+        counters since its load, and one profiled call per frozen input set counting compiled
+        regions entered and compute ops run outside them (a frame dynamo skipped runs eager)."""
+        if "torch._dynamo" not in sys.modules:
+            return {"dynamo": None}, None
+        from sandbox import compiled
+        c, p = self._loaded()
+        calls = []
+        for i in range(len(p["inputs"])):
+            args, kwargs = self._device_set(p, i)
+            calls.append(lambda a=args, k=kwargs: c["forward"](c["module"], *a, **k))
+        with self.torch.no_grad():
+            try:
+                return {"dynamo": compiled.probe(calls, self.dynamo_before)}, None
+            except BaseException as e:
+                raise classify(e, "run")
 
     def op_verify(self, req: dict, _: Any) -> tuple[dict, Any]:
         from sandbox import verify_runs
@@ -324,7 +347,8 @@ class Worker:
     def serve(self) -> None:
         handlers = {"problem": self.op_problem, "load": self.op_load, "verify": self.op_verify,
                     "verify_outputs": self.op_verify_outputs, "batch": self.op_batch, "kept": self.op_kept,
-                    "refs": self.op_refs, "integrity": self.op_integrity}
+                    "refs": self.op_refs, "integrity": self.op_integrity,
+                    "compiled": self.op_compiled}
         while True:
             try:
                 req, tensors = protocol.recv(self.sock, accept_fds=True)

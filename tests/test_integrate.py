@@ -252,6 +252,27 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
         runner.close()
 
 
+def test_our_kernels_run_inside_torch_compile_as_opaque_ops_with_no_graph_break(run):
+    """"nightshift + torch.compile": the routed model compiled whole, each winner a custom op
+    (its schema from the first call), verified end to end like any way, one graph, no break."""
+    import threading
+    from agent.integrate import _side_by_side, composed_candidate
+    from sandbox.runner import TrialRunner
+    folder, _ = run
+    rms = next(p for p in folder.problems() if p.name == "RMSNorm")
+    lock = threading.Lock()
+    runner = TrialRunner("cpu", device_lock=lock)
+    try:
+        runner.add_problem(folder.path / "model")
+        ways = [("composed", composed_candidate([(rms, TRITON_RMSNORM.read_text())], None))]
+        trial = _side_by_side(runner, folder.path / "model", ways, lock, lambda line: None)["composed"]
+    finally:
+        runner.close()
+    assert trial.status.value == "ok", trial.reason
+    assert trial.dynamo["graph_breaks"] == 0 and trial.dynamo["graphs"] >= 1, trial.dynamo
+    assert all(r >= 1 for r in trial.dynamo["regions"]) and not trial.compile_fallback, trial.dynamo
+
+
 def test_every_check_of_the_model_is_on_one_draw_whose_answers_are_computed_once(run, tmp_path, monkeypatch):
     """The winners routed in one by one and then the tuned model: three verifications of the
     whole model, one request for the original's answers (they are gigabytes a set with a KV

@@ -49,7 +49,8 @@ class WorkloadResult(BaseModel):
     verdict: str = ""
     """`faster`, `slower` or `no change` (the speedup lies inside the noise band)."""
     baselines: dict[str, float | None] = Field(default_factory=dict)
-    """`torch.compile`, `max-autotune-no-cudagraphs`, `reduce-overhead` -> ms (None: failed)."""
+    """Every other way of running the model -> ms (None: failed): each torch.compile mode, and
+    each mode with our kernels inside (`nightshift + <mode>`)."""
     baseline_speedups: dict[str, float | None] = Field(default_factory=dict)
     """Each baseline's speedup over eager, timed side by side with eager in one worker."""
     floor_ms: float | None = None
@@ -64,6 +65,10 @@ class IntegrationResult(BaseModel):
     dropped: list[DroppedCandidate] = Field(default_factory=list)
     workloads: list[WorkloadResult] = Field(default_factory=list)
     baseline_errors: dict[str, str] = Field(default_factory=dict)
+    baseline_fallbacks: dict[str, str] = Field(default_factory=dict)
+    """Compiled ways that ran eager, wholly or partly (their names say so too) -> what ran eager."""
+    dynamo: dict[str, dict] = Field(default_factory=dict)
+    """Per compiled way: dynamo's counters and the profiled calls (sandbox/compiled.py)."""
     notes: list[str] = Field(default_factory=list)
     """What the reader should know: baselines skipped on the CPU, regions with no kept candidate, ..."""
     noise_band: float | None = None

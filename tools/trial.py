@@ -137,11 +137,19 @@ class Trial(BaseModel):
     generation: str = "cpu"
     gpu_seconds: float = 0.0
     """Wall time the trial held its device (start of load to verdict)."""
+    dynamo: dict[str, Any] | None = None
+    """For a candidate that runs torch.compile: dynamo's counters and the profiled calls'
+    compiled regions and eager ops (sandbox/compiled.py); None when it never imported dynamo."""
     phases: dict[str, float] = Field(default_factory=dict)
     """Seconds per phase: load (import + first call, compiles kernels), verify, time."""
     versions: dict[str, str] = Field(default_factory=dict)
     started_at: float = Field(default_factory=time.time)
     finished_at: float = 0.0
+
+    @property
+    def compile_fallback(self) -> str:
+        """'' unless a compiled way ran eager, wholly or partly: then what ran eager."""
+        return compile_fallback(self.dynamo)
 
     @property
     def ranked(self) -> bool:
@@ -151,3 +159,19 @@ class Trial(BaseModel):
     def win(self) -> bool:
         """Passed and faster beyond the noise band (only such a trial is ever integrated or applied)."""
         return self.ranked and self.speedup > 1.0 + (self.noise_band or 0.0)
+
+
+def compile_fallback(info: dict[str, Any] | None) -> str:
+    """'' when every profiled call ran compiled code only; else what ran eager, in a few words."""
+    if not info:
+        return ""
+    regions, eager = info.get("regions") or [], info.get("eager_ops") or []
+    if regions and not any(regions):
+        return "fell back to eager: no compiled code ran"
+    if any(r == 0 for r in regions):
+        sets = [str(i) for i, r in enumerate(regions) if r == 0]
+        return f"fell back to eager on input set{'s' * (len(sets) > 1)} {', '.join(sets)}"
+    if any(eager) or info.get("graph_breaks"):
+        return (f"partly eager: {info.get('graph_breaks', 0)} graph break(s), "
+                f"up to {max(eager, default=0)} compute ops outside compiled code per call")
+    return ""
