@@ -229,7 +229,7 @@ class Problem(BaseModel):
     model_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables the model file read when it was frozen (LLAMA_PRESET, ...): the
     sandbox workers get exactly these, so they build the same model."""
-    # -- written by tools.capture (issue 14); best-effort facts for planners, never read by the verifier
+    # -- written by tools.capture; best-effort facts for planners, never read by the verifier
     graph: dict[str, Any] = Field(default_factory=dict)
     """What tools.graph found about the region: its signature, arguments, matmuls, RoPE tables, mask."""
     notes: list[str] = Field(default_factory=list)
