@@ -240,10 +240,10 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     return result
 
 
-PARALLEL_LOADS = 5
+PARALLEL_LOADS = 8
 """Ways of running the model compiled at once (each a worker holding the model on the device):
-the usual five (tuned, its CUDA-graph capture, three compile modes) in one batch, since a
-second batch waits out another compile (on the H200 four ways took 287 s)."""
+the usual eight (tuned, its CUDA-graph capture, three compile modes, each with our kernels
+inside) in one batch, since a second batch waits out another compile of minutes."""
 
 
 def _side_by_side(runner: TrialRunner, folder: Path, ways: list[tuple[str, Candidate]], lock,
