@@ -210,6 +210,24 @@ def test_an_unchanged_model_reads_no_change_and_no_winner_is_crowned():
         "reduce-overhead is fastest (0.5 ms); nightshift is 2.00x slower than it"
 
 
+def test_a_compile_way_that_ran_eager_is_named_so_and_our_best_way_meets_the_best_without_us():
+    from types import SimpleNamespace
+
+    from agent.report.markdown import _md_integration
+    from agent.report.numbers import standings
+    from tools.e2e import IntegrationResult, WorkloadResult
+    w = WorkloadResult(name="prefill", eager_ms=4.0, tuned_ms=2.9, speedup=1.38, noise_band=0.02, verdict="faster",
+                       baselines={"torch.compile (ran eager)": 4.0, "reduce-overhead": 2.8,
+                                  "nightshift + reduce-overhead": 2.5})
+    res = IntegrationResult(device="cuda:0", timing_kind="cuda", noise_band=0.02, workloads=[w],
+                            baseline_fallbacks={"torch.compile (ran eager)": "fell back to eager: no compiled code ran"})
+    md = "\n".join(_md_integration(SimpleNamespace(integration=res, integration_error=None)))
+    assert "torch.compile (ran eager): torch.compile fell back to eager: no compiled code ran" in md
+    assert standings(w)[1] == "nightshift + reduce-overhead is fastest, 1.12x ahead of reduce-overhead"
+    slower = w.model_copy(update={"baselines": {"reduce-overhead": 2.0, "nightshift + reduce-overhead": 2.5}})
+    assert standings(slower)[1] == "reduce-overhead is fastest (2 ms); nightshift + reduce-overhead is 1.25x slower than it"
+
+
 def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
     write_integration(tuned)
     try:

@@ -161,6 +161,8 @@ def _summary(data: ReportData) -> list[str]:
                          escape(verdict)])
         out.append(_table(["workload", "eager", "nightshift", *map(escape, names), "fastest"], rows,
                           set(range(1, 3 + len(names)))))
+        for name, why in res.baseline_fallbacks.items():
+            out.append(f"<p class='muted'>{escape(name)}: torch.compile {escape(why)}; its time is not the compiler's.</p>")
     else:
         out.append("<p class='muted'>No torch.compile baselines were recorded by integration.</p>")
     if len(res.workloads) > 1:

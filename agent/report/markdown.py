@@ -78,6 +78,7 @@ def _md_integration(data: ReportData) -> list[str]:
                                                            else ".") for a in res.accepted]
     notes += [f"Dropped {d.region} `{d.candidate_hash}`: {tidy(d.reason)}." for d in res.dropped]
     notes += [f"Baseline {k} failed: {tidy(v)}." for k, v in res.baseline_errors.items()]
+    notes += [f"{k}: torch.compile {tidy(v)}; its time is not the compiler's." for k, v in res.baseline_fallbacks.items()]
     notes += [tidy(str(n)) for n in getattr(res, "notes", [])]
     return L + ([""] + [f"- {n}" for n in notes] if notes else [])
 
