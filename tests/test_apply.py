@@ -216,6 +216,44 @@ def test_patch_applies_with_git_and_routes_the_model(applied, frozen_run, tmp_pa
     assert out["train"] == [0, True]
 
 
+COMPILED = textwrap.dedent('''
+    import json, sys
+    import torch
+    from tools.modelfile import load_model
+    original, patched = sys.argv[1], sys.argv[2]
+    ref, new = load_model(original, "cpu", check_forward=False), load_model(patched, "cpu", check_forward=False)
+    kernels = sys.modules[type(new.model.norm).forward.__module__]
+    first = new.workloads[0]
+    compiled = kernels.compile_model(new.model, *first.inputs)
+    first.restore()
+    errors = {}
+    with torch.no_grad():
+        for w, r in zip(new.workloads, ref.workloads):
+            errors[w.name] = float((compiled(*w.inputs) - ref.model(*r.inputs)).abs().max())
+    from torch._dynamo.utils import counters
+    ops = sorted(n for n in dir(torch.ops.nightshift) if n[-1].isdigit())
+    print(json.dumps({"errors": errors, "breaks": sum(counters["graph_break"].values()), "ops": ops}))
+''')
+
+
+def test_the_applied_model_compiles_with_our_kernels_as_opaque_ops(applied, tmp_path):
+    """`compile_model` of the kernels module: torch.compile of the patched model with each tuned
+    forward (Triton RMSNorm and MLP, here under the interpreter) an opaque op, no graph break,
+    the model's answers on every workload."""
+    run, model, data = applied
+    folder = tmp_path / "m"
+    folder.mkdir()
+    shutil.copy(model, folder / "llama.py")
+    shutil.copy(data["kernels_module"], folder / "llama_nightshift.py")
+    assert git(folder, "apply", str(run / "patches" / "llama.patch")).returncode == 0
+    result = subprocess.run([sys.executable, "-c", COMPILED, str(model), str(folder / "llama.py")], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, **ENV})
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["breaks"] == 0 and len(out["ops"]) == 2, out  # one op for the RMSNorms, one for the MLP
+    assert len(out["errors"]) == 4 and max(out["errors"].values()) < 1e-3, out["errors"]
+
+
 def _files(root: Path) -> list[Path]:
     """Every file under root, but SQLite's own -wal/-shm files (a reader of a WAL store makes them)."""
     return sorted(p for p in root.rglob("*") if not p.name.endswith(("-wal", "-shm")))

@@ -82,6 +82,10 @@ class ApplyResult:
                        else f"{self.model_file} already routes through {routed} (already applied): nothing to patch")
         else:
             out.append(f"apply it: {self.apply_command}")
+        mod = Path(self.kernels_module).stem
+        out.append(f"under torch.compile: model = {mod}.compile_model(model, *example_inputs, mode=...) "
+                   "(our kernels as opaque ops the compiler fuses around; plain torch.compile(model) works too, "
+                   "tracing into them)")
         return out, warnings
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from agent.apply.rename import Binder, Renamer, import_as, import_binding
 from agent.apply.routing import IMPORTS, RESERVED, ROUTING
+from agent.prompting import render_code
 from agent.apply.winners import CandidateSkipped, Winner
 from tools.e2e import IntegrationResult
 
@@ -211,7 +212,7 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
     text += '"""Region -> the module its class is defined in, when not the model file (patched at run time)."""\n'
     text += "NEEDS_GPU = {" + ", ".join(f"{p.winner.region!r}: {p.needs_gpu!r}" for p in parts) + "}\n"
     text += '"""Region -> whether its forward runs Triton kernels (which need a GPU or TRITON_INTERPRET=1)."""\n'
-    text += ROUTING
+    text += "\n\n" + render_code("kernels/_opaque_op.py.j2", p="_nightshift_") + ROUTING
     tree = ast.parse(text)  # what we write must at least parse, with one definition per name
     names = [t.id for s in tree.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)]
     names += [s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.ClassDef))]

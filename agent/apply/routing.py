@@ -4,7 +4,9 @@
 model file is found in the model module's globals (`namespace`); a class defined elsewhere, in
 code the user does not own (transformers' modules in site-packages), is found by importing its
 module by name and is patched in this process only: no file outside the model's folder is ever
-edited. NIGHTSHIFT_DISABLE=1 routes nothing.
+edited. NIGHTSHIFT_DISABLE=1 routes nothing. `compile_model(model, *example_inputs, mode=...)`
+compiles the routed model with each tuned forward an opaque custom op (prompts/kernels/
+_opaque_op.py.j2, the same code integration measures as "nightshift + <mode>").
 
 At each call the routed forward keeps the original one for what was never verified (instances
 of subclasses, training with autograd) and for what cannot run here: Triton kernels on tensors
@@ -12,17 +14,22 @@ that are not on a GPU, without Triton's interpreter (TRITON_INTERPRET=1). That f
 once per process.
 """
 
-RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "install", "_nightshift_route",
+RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "install", "compile_model", "_nightshift_route",
+            "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
+            "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
+            "_nightshift_as_op", "_nightshift_recording",
             "_nightshift_os", "_nightshift_torch", "_nightshift_warnings", "_nightshift_importlib",
             "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find"}
 """Module-level names the routing code owns; candidates' names are renamed around them."""
 
-IMPORTS = ["import importlib as _nightshift_importlib", "import os as _nightshift_os",
+IMPORTS = ["import importlib as _nightshift_importlib", "import itertools as _nightshift_itertools",
+           "import os as _nightshift_os",
            "import torch as _nightshift_torch", "import warnings as _nightshift_warnings"]
 
 ROUTING = '''
 
 _nightshift_warned = []
+_nightshift_recording = []  # non-empty while compile_model's eager call records each region's op
 
 
 def _nightshift_can_run(module, args, kwargs):
@@ -56,9 +63,15 @@ def _nightshift_route(cls, region, tuned):
         # and were verified for inference only: those calls keep the original forward.
         if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()):
             return original(self, *args, **kwargs)
+        if _nightshift_torch.compiler.is_compiling():
+            made = _nightshift_as_op(self, args, kwargs)
+            if made is not None:  # an opaque op: the compiler fuses around our kernel, never into it
+                return made[1](made[0], args, kwargs)
         if needs_gpu and not _nightshift_can_run(self, args, kwargs):
             _nightshift_fallback(region)
             return original(self, *args, **kwargs)
+        if _nightshift_recording:
+            return _nightshift_record(self, region, tuned, args, kwargs)
         return tuned(self, *args, **kwargs)
 
     forward.__nightshift_original__ = original
@@ -102,4 +115,18 @@ def install(namespace: dict) -> list[str]:
             _nightshift_route(cls, region, REGIONS[region])
             routed.append(qualname)
     return routed
+
+
+def compile_model(model, *example_args, mode=None, options=None, **example_kwargs):
+    """torch.compile(model, mode=..., options=...) with each tuned region an opaque custom op, so
+    the compiler fuses everything around our kernels and (reduce-overhead) captures CUDA graphs
+    over them. One eager call on the example inputs first shows each op what it is given (it
+    runs the model: inputs it writes into, a KV cache, are written)."""
+    _nightshift_recording.append(True)
+    try:
+        with _nightshift_torch.no_grad():
+            model(*example_args, **example_kwargs)
+    finally:
+        _nightshift_recording.clear()
+    return _nightshift_torch.compile(model, mode=mode, options=options)
 '''
