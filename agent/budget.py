@@ -2,33 +2,43 @@
 and patience per region. Parallel runs spend the budget faster; they never enlarge it.
 
 Device time is each device's wall time while it runs trials (several sandbox workers sharing
-one GPU cost its wall time once; N GPUs cost N times the wall time). A launch is admitted only
-if the time already charged, plus what every device is expected to be charged until its trials
-in flight (and this launch) end, stays within the cap. A trial is expected to take as long as
-the slowest recent trial, so the cap is overrun by at most the error of that estimate on each
-device, never by a launch that was known to be too expensive. A launch refused while others
-are in flight may fit once they end (they often end sooner than expected), so the caller waits
-and asks again; only a refusal with nothing in flight ends the run.
+one GPU cost its wall time once; N GPUs cost N times the wall time): each finished trial is
+charged the part of its wall time no sibling was charged already. A launch is admitted only if
+the time charged so far, plus what every trial in flight and this launch are expected to be
+charged, stays within the cap. A trial is expected to cost what its region's recent trials were
+charged (the most of them; a worker's one-time start left out); a region none of whose trials
+has finished yet, a cold start's cost (`COLD_TRIAL_SECONDS`); alone on the devices, it is
+admitted if the cap has room for the least a trial costs, and measures what the next ones cost.
+So a small cap admits one first trial, not one per lane, before anything is measured. Workers
+sharing a device take turns on it (verification and timing hold its lock), so reservations add
+up, never overlap: the cap is overrun by at most the error of those estimates, never by a
+launch known to be too expensive. A launch refused while others are in flight may fit once they end, so the caller
+waits and asks again; only a refusal with nothing in flight ends the run.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from tools.problem import StopRule
 from tools.trial import Trial
 
+COLD_TRIAL_SECONDS = 120.0
+"""What a region's first trials are expected to cost before one of them has finished: a cold
+worker's start and first compiles (93 s on an H200 for the Llama example's first trial)."""
 DEFAULT_TRIAL_SECONDS = 20.0
+"""The least a first trial is assumed to cost: a cap below it starts nothing."""
+RECENT = 8
+"""Trials per region the estimate looks back on."""
 
 
 @dataclass
 class Reservation:
     device: str
-    start: float
-    end: float
+    region: str
+    seconds: float
 
 
 class Budget:
@@ -37,11 +47,14 @@ class Budget:
         self.spent = spent_seconds
         self.tried = candidates_tried
         self.in_flight: dict[int, Reservation] = {}
-        self.charged_until: dict[str, float] = {}
         self.recent: deque[float] = deque(maxlen=20)
+        """Measured costs of the run's last trials, any region (the estimate of a new region)."""
+        self.by_region: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=RECENT))
         self.best: dict[str, float] = defaultdict(lambda: 1.0)
         self.stale: dict[str, int] = defaultdict(int)
         self.changed = threading.Condition()
+        self.next_region = threading.local()
+        """The region the calling lane took its next job for (`taking`): executors launch by device."""
         self.stop_reason = ""
         self.exhausted = False
         """A launch was refused with nothing in flight: no further trial fits the cap."""
@@ -50,32 +63,36 @@ class Budget:
     def cap_seconds(self) -> float:
         return self.rule.gpu_hours * 3600.0
 
-    def estimate(self) -> float:
-        """Wall seconds one trial is expected to hold its device (worker start-up excluded)."""
-        return max(self.recent) if self.recent else DEFAULT_TRIAL_SECONDS
+    def estimate(self, region: str = "") -> float:
+        """Device seconds one trial of `region` is expected to be charged: the most its recent
+        trials were; for a region not measured yet, a cold start's cost or the most any was."""
+        if self.by_region.get(region):
+            return max(self.by_region[region])
+        return max([COLD_TRIAL_SECONDS, *self.recent])
 
     def projected(self, extra: Reservation | None = None) -> float:
-        """Seconds charged so far plus what the trials in flight (and `extra`) will add."""
-        by_device: dict[str, list[Reservation]] = defaultdict(list)
-        for r in [*self.in_flight.values(), *([extra] if extra else [])]:
-            by_device[r.device].append(r)
-        ahead = 0.0
-        for device, rs in by_device.items():
-            since = max(self.charged_until.get(device, 0.0), min(r.start for r in rs))
-            ahead += max(0.0, max(r.end for r in rs) - since)
-        return self.spent + ahead
+        """Seconds charged so far plus what the trials in flight (and `extra`) are expected to add."""
+        return self.spent + sum(r.seconds for r in [*self.in_flight.values(), *([extra] if extra else [])])
 
-    def try_launch(self, token: int, device: str = "") -> bool:
-        """Reserve `device` time for one trial. False if it would pass the cap now; then
-        `exhausted` and `stop_reason` are set only if nothing is in flight (otherwise `wait` and ask again)."""
+    def taking(self, region: str) -> None:
+        """The calling thread's next launch is a trial of `region` (the feed says so as a lane takes a job)."""
+        self.next_region.region = region
+
+    def try_launch(self, token: int, device: str = "", region: str | None = None) -> bool:
+        """Reserve device time for one trial of `region` (default: what this thread last took).
+        False if it would pass the cap now; then `exhausted` and `stop_reason` are set only if
+        nothing is in flight (otherwise `wait` and ask again)."""
+        region = region if region is not None else getattr(self.next_region, "region", "")
         with self.changed:
-            now, est = time.time(), self.estimate()
-            mine = Reservation(device, now, now + est)
-            if self.projected(mine) > self.cap_seconds:
+            est = self.estimate(region)
+            mine = Reservation(device, region, est)
+            unknown_alone = not self.in_flight and not self.by_region.get(region)
+            need = self.spent + DEFAULT_TRIAL_SECONDS if unknown_alone else self.projected(mine)
+            if need > self.cap_seconds:
                 if not self.in_flight:
                     self.exhausted = True
-                    self.stop_reason = (f"GPU-hours cap: {self.spent / 3600:.4f} h spent of "
-                                        f"{self.rule.gpu_hours:g} h, next trial would take ~{est:.0f} s")
+                    self.stop_reason = (f"GPU-hours cap: {self.spent / 3600:.4f} h spent of {self.rule.gpu_hours:g} h, "
+                                        f"next trial would take ~{need - self.projected():.0f} s")
                 return False
             self.in_flight[token] = mine
             return True
@@ -88,20 +105,23 @@ class Budget:
     def finish(self, token: int, trial: Trial) -> None:
         """Count a finished trial, whose `gpu_seconds` the executor has charged already."""
         with self.changed:
-            mine = self.in_flight.pop(token, None)
+            self.in_flight.pop(token, None)
             self.spent += trial.gpu_seconds
-            device = mine.device if mine else trial.device
-            self.charged_until[device] = max(self.charged_until.get(device, 0.0), trial.finished_at)
-            self.recent.append(_held_seconds(trial))
+            self._measured(trial)
             self.changed.notify_all()
 
     def remember(self, trials: list[Trial]) -> None:
-        """Seed the per-trial estimate from a resumed run's last trials, so a resume expects
-        trials to take what they took, not the cautious default."""
+        """Seed the estimates from a resumed run's last trials, so a resume expects trials to
+        cost what they cost, not the cautious default."""
         with self.changed:
             for t in trials[-(self.recent.maxlen or 20):]:
-                if t.phases.get("wall", t.gpu_seconds) > 0:
-                    self.recent.append(_held_seconds(t))
+                if t.gpu_seconds > 0:
+                    self._measured(t)
+
+    def _measured(self, trial: Trial) -> None:
+        cost = _cost(trial)
+        self.recent.append(cost)
+        self.by_region[trial.region].append(cost)
 
     def cancel(self, token: int) -> None:
         with self.changed:
@@ -130,8 +150,7 @@ class Budget:
         return self.stale[region] < self.rule.patience
 
 
-def _held_seconds(trial: Trial) -> float:
-    """Wall seconds the trial held its device; a worker's one-time start is real cost
-    (charged) but no guide to the next trial."""
-    wall = trial.phases.get("wall", trial.gpu_seconds)
-    return max(0.0, wall - trial.phases.get("start", 0.0))
+def _cost(trial: Trial) -> float:
+    """Device seconds the trial was charged, less its worker's one-time start: real cost, but no
+    guide to the next trial on a warm worker."""
+    return max(0.0, trial.gpu_seconds - trial.phases.get("start", 0.0))

@@ -84,7 +84,7 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
     plans = trials_run = 0
     failure = ""
     lanes = max(1, len(getattr(executor, "runners", [])) or len(executor.generations))
-    feed = Feed(executor.generations)
+    feed = _BudgetedFeed(executor.generations, budget)
     fed: dict[tuple[str, str, str], Job] = {}  # (region, hash, generation) -> job queued or running
     started: dict[tuple[str, str, str], int] = {}
     planning: Future | None = None
@@ -183,6 +183,21 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         store.close()
     best = {p.name: (b.score(history.targets(p.name)) if (b := history.best(p.name)) else 0.0) for p in problems}
     return Outcome(budget.stop_reason or "interrupted", trials_run, plans, best, failure)
+
+
+class _BudgetedFeed(Feed):
+    """The feed, telling the budget which region a lane takes a job of: executors launch by
+    device, and a launch is estimated by what that region's trials cost (agent/budget.py)."""
+
+    def __init__(self, generations: list[str], budget: Budget):
+        super().__init__(generations)
+        self.budget = budget
+
+    def take(self, generation: str, timeout: float = 0.0) -> Job | None:
+        job = super().take(generation, timeout)
+        if job is not None:
+            self.budget.taking(job[0].region)
+        return job
 
 
 def _in_background(fn: Callable[[], list[Candidate]]) -> Future:

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from sandbox.client import Reply
     from sandbox.runner import LoadedProblem, TrialRunner
 
-WARMUP_REPS = 3
-MIN_REPS = 5
+WARMUP_REPS = 2
+MIN_REPS = 2
+"""Repetitions per round when one costs more than the budget allows (a slow call is timed by
+the budget, as do_bench does, not by a count: three rounds of two still give the A/A band)."""
 CLAIM_REL = {"cuda": 0.25, "cpu": 0.9}
 """A claimed total may fall this far below the tuner's clock (relative; on the CPU the host's
 own per-call work and other processes' load sit in the clock's time too, so only a claim of
@@ -109,6 +111,12 @@ def _batch(worker: Any, req: dict, timeout: float, frozen: Any = None) -> tuple[
     return reply, wall_ms
 
 
+def _note_harness(r: "TrialRunner", reply: "Reply") -> None:
+    """The reference worker's own account of its harness work (trusted: it runs no candidate)."""
+    for k in ("draw", "copy"):
+        r.phases[f"time.{k}"] = r.phases.get(f"time.{k}", 0.0) + float(reply.header.get(f"{k}_ms") or 0.0) / 1e3
+
+
 def _samples(reply: "Reply") -> list[float]:
     xs = reply.header.get("samples")
     if not isinstance(xs, list) or not all(isinstance(x, (int, float)) for x in xs):
@@ -155,11 +163,14 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         s = seed()
         req = {"set": i, "seed": s, "reps": reps, "key_len": n, "lead_cycles": lead * cycles}
         rb, wall_b = _batch(ref, {"problem": p.name, **req}, lim.time_s, cand)
+        _note_harness(r, rb)
         base_runs.append(_samples(rb))
         samples, per_call, lead = _candidate_run(r, lp, req, rb, wall_b, lead, cycles)
         cand_runs.append(samples)
         parent.append(per_call)
+        t_spot = time.monotonic()
         _spot_check(r, lp, i, s, reps)
+        r.phases["time.spot"] = r.phases.get("time.spot", 0.0) + time.monotonic() - t_spot
         _tamper(r)
         if k == 0 or p.is_whole_model:
             # A/A across the two processes: the original in the candidate's worker. A whole model
@@ -288,7 +299,9 @@ def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int
         raise Refused("lost", f"the reference worker failed: {want.error}", want)
     claimed = (getattr(r, "last_checksums", None) or [None] * reps)[j]
     seen = float(timing.checksum(got, timing.checksum_key(_elements(lp, i), s, "cpu")))
-    if claimed is None or not math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3 + 1e-5 * _abs_sum(got)):
+    # The slack for cancellation, a float64 pass over the outputs, is only summed when it is needed.
+    if claimed is None or not (math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3)
+                               or math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3 + 1e-5 * _abs_sum(got))):
         raise Refused("suspicious", f"timed repetition {j} on {p.workloads[i].name}: the output kept for it does not "
                       "match the checksum the timed run reported (the run's outputs were not what was timed)")
     err = verify.judge_outputs(p, i, got, want.tensors["fresh"][0])

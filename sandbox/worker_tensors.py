@@ -2,9 +2,10 @@
 override, what an output looks like (type, layout, memory it shares), fresh inputs and
 perturbed parameters drawn from a seed, and the fill that makes unwritten outputs visible.
 
-Fresh inputs and perturbed parameters are functions of (frozen tensor, seed) computed on the
-CPU in float64, so the reference worker and a candidate worker given the same seed build the
-same tensors bit for bit, and the tuner never has to ship them.
+Fresh inputs and perturbed parameters are functions of (frozen tensor, seed) drawn on the
+tensor's device with a counter-based generator, so the reference worker and a candidate worker
+on the same kind of device given the same seed build the same tensors bit for bit, and the
+tuner never has to ship them.
 """
 
 from __future__ import annotations
@@ -156,31 +157,37 @@ def tensors_map(m) -> dict:
 
 
 # -- drawn from a seed --------------------------------------------------------------------
-def _gen(seed: int):
+def _gen(seed: int, device: Any = "cpu"):
     import torch
-    return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+    return torch.Generator(device=device).manual_seed(seed & ((1 << 63) - 1))
+
+
+def _sub_seed(g: Any) -> int:
+    import torch
+    return int(torch.randint(0, 1 << 62, (1,), generator=g))
 
 
 def vary(x: Any, seed: int) -> Any:
     """A fresh input shaped, laid out and placed like `x`: the frozen values rolled by a random
     offset (every element moves; the distribution, signs, zeros, infinities and integer ranges
-    stay), floats also jittered by about 1.6%. Booleans (masks) are kept. Made on x's device,
-    in new memory; the same seed on the same device gives the same tensor in any process."""
+    stay), floats also jittered by about 1.6%. Booleans (masks) are kept. Drawn on x's device
+    (a counter-based generator there) in new memory; the same seed on the same kind of device
+    gives the same tensor in any process."""
     import torch
     if isinstance(x, torch.Tensor):
-        out = torch.empty_like(x)
         if x.dtype == torch.bool or x.numel() < 2:
-            out.copy_(x)
-            return out
+            return torch.empty_like(x).copy_(x)
         g = _gen(seed)
         shift = int(torch.randint(1, x.numel(), (1,), generator=g))
         rolled = x.reshape(-1).roll(shift)
         if x.is_floating_point():
-            dg = torch.Generator(device=x.device).manual_seed(int(torch.randint(0, 1 << 62, (1,), generator=g)))
-            noise = torch.randn(rolled.shape, generator=dg, device=x.device, dtype=torch.float32)
-            rolled = (rolled.float() * noise.mul_(JITTER).add_(1.0)).to(x.dtype)
-        out.copy_(rolled.view(x.shape))
-        return out
+            # One pass in x's own dtype (float32 math for 16-bit ones), not a float64 copy.
+            wide = torch.float32 if x.element_size() < 4 else x.dtype
+            noise = torch.randn(rolled.shape, generator=_gen(_sub_seed(g), x.device), device=x.device, dtype=wide)
+            rolled = noise.mul_(JITTER).add_(1.0).mul_(rolled).to(x.dtype)
+        if x.is_contiguous():  # already new memory laid out like x: no copy pass
+            return rolled.view(x.shape)
+        return torch.empty_like(x).copy_(rolled.view(x.shape))
     if isinstance(x, dict):
         return {k: vary(v, seed + 7919 * (i + 1)) for i, (k, v) in enumerate(x.items())}
     if isinstance(x, (list, tuple)):
@@ -197,21 +204,24 @@ def perturbed(module: Any, seed: int) -> Any:
     """A copy of `module` whose floating parameters and buffers are moved at random: positive
     tensors (norm scales, variances) multiplied by exp(N(0, 0.25)), others shifted by
     0.25 x their spread (1 for a constant tensor, so an all-zero bias becomes one). A candidate
-    that ignores a parameter, or assumes it is one or zero, computes something else here."""
+    that ignores a parameter, or assumes it is one or zero, computes something else here.
+    Drawn where the tensor lives, in float32 (float64 for float64 tensors): on a GPU the host
+    never touches the weights, and the same seed on the same kind of device gives the same bits."""
     import torch
     copy_ = copy.deepcopy(module)
     g = _gen(seed)
     with torch.no_grad():
-        for i, (name, t) in enumerate(sorted(tensors_map(copy_).items())):
+        for name, t in sorted(tensors_map(copy_).items()):
             if not t.is_floating_point() or not t.numel():
                 continue
-            base = t.detach().to("cpu", torch.float64)
-            noise = torch.randn(base.shape, generator=g, dtype=torch.float64)
+            wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+            base = t.detach().to(wide)
+            noise = torch.randn(base.shape, generator=_gen(_sub_seed(g), t.device), device=t.device, dtype=wide)
             if bool((base > 0).all()):
-                new = base * torch.exp(PERTURB * noise)
+                new = noise.mul_(PERTURB).exp_().mul_(base)
             else:
                 spread = float(base.std()) if base.numel() > 1 else 0.0
                 spread = spread or float(base.abs().mean()) or 1.0
-                new = base + PERTURB * spread * noise
-            t.copy_(new.to(t.dtype))
+                new = noise.mul_(PERTURB * spread).add_(base)
+            t.copy_(new)
     return copy_

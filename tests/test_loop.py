@@ -212,43 +212,70 @@ def test_gpu_hours_cap_stops_the_run_within_one_trial_of_the_cap(run):
 
 def test_parallel_launches_share_the_cap_instead_of_enlarging_it():
     budget = Budget(StopRule(gpu_hours=31 / 3600))
-    assert budget.try_launch(0, "cuda:0")
+    assert budget.try_launch(0, "cuda:0", REGION)
     budget.finish(0, Trial(region=REGION, candidate_hash="a", status=Status.ok, gpu_seconds=3.0,
                            finished_at=time.time()))
     # One trial at a time on each of 20 devices: 3 s spent + 9 devices * 3 s = 30 s; a tenth would pass 31 s.
-    launched = [t for t in range(1, 20) if budget.try_launch(t, f"cuda:{t}")]
+    launched = [t for t in range(1, 20) if budget.try_launch(t, f"cuda:{t}", REGION)]
     assert launched == list(range(1, 10))
     assert not budget.exhausted and not budget.stop_reason  # trials in flight may still make room
     budget.cancel(1)  # an interrupted launch gives its reservation back
-    assert budget.try_launch(20, "cuda:20") and not budget.try_launch(21, "cuda:21")
+    assert budget.try_launch(20, "cuda:20", REGION) and not budget.try_launch(21, "cuda:21", REGION)
     for t in [*range(2, 10), 20]:
         budget.cancel(t)
     budget.spent = 28.5
-    assert not budget.try_launch(22, "cuda:0")  # nothing in flight and it does not fit: the end
+    assert not budget.try_launch(22, "cuda:0", REGION)  # nothing in flight and it does not fit: the end
     assert budget.exhausted and budget.stop_reason.startswith("GPU-hours cap")
 
 
-def test_workers_sharing_one_device_reserve_its_wall_time_once():
-    budget = Budget(StopRule(gpu_hours=9 / 3600))
-    budget.finish(-1, Trial(region=REGION, candidate_hash="seen", status=Status.ok, gpu_seconds=2.0,
-                            phases={"wall": 4.0}, finished_at=time.time()))
-    assert budget.estimate() == 4.0  # a trial's wall time, not its share of the device
-    # Six workers on one GPU overlap in time: together they hold it ~4 s, not 6 * 4 s.
-    assert all(budget.try_launch(t, "cuda:0") for t in range(6))
-    assert budget.projected() == pytest.approx(2.0 + 4.0, abs=0.1)
-    assert not budget.try_launch(6, "cuda:1")  # another device would add its own 4 s: 10 s > 9 s
+def test_workers_sharing_one_device_take_turns_so_their_reservations_add_up():
+    """Six workers on one GPU compile side by side but verify and time in turn, each charged what
+    it added to the device's wall time: together they cost six trials' charges, not one."""
+    budget = Budget(StopRule(gpu_hours=20 / 3600))
+    budget.finish(-1, Trial(region=REGION, candidate_hash="seen", status=Status.ok, gpu_seconds=3.0,
+                            phases={"wall": 9.0, "start": 1.0}, finished_at=time.time()))
+    assert budget.estimate(REGION) == 2.0  # its charge, less the worker's one-time start
+    assert [budget.try_launch(t, "cuda:0", REGION) for t in range(9)] == [True] * 8 + [False]
+    assert budget.projected() == pytest.approx(3.0 + 8 * 2.0)
     assert not budget.exhausted
+
+
+def test_a_small_cap_runs_one_first_trial_before_anything_is_measured():
+    """The H200 run of issue 26: a 0.04 h cap, six lanes, first trials of 93 s each. Six launched
+    at once against a 20 s guess overran the cap by 79%; now the first trial runs alone, and what
+    it cost decides whether a second one fits."""
+    budget = Budget(StopRule(gpu_hours=0.04))
+    assert budget.try_launch(0, "cuda:0", REGION)
+    assert not any(budget.try_launch(t, "cuda:0", REGION) for t in range(1, 6))  # a cold trial each: 2 x 120 s > 144 s
+    assert not budget.exhausted  # they wait for the first
+    budget.finish(0, Trial(region=REGION, candidate_hash="a", status=Status.ok, gpu_seconds=93.0,
+                           phases={"start": 7.0}, finished_at=time.time()))
+    assert budget.estimate(REGION) == 86.0
+    assert not budget.try_launch(1, "cuda:0", REGION)  # 93 s + 86 s > 144 s: never started
+    assert budget.exhausted and budget.spent <= budget.cap_seconds
+    assert Budget(StopRule(gpu_hours=0.001)).try_launch(0, "cuda:0", REGION) is False  # below any trial
+
+
+def test_the_region_a_lane_takes_is_the_one_its_launch_is_estimated_by():
+    budget = Budget(StopRule(gpu_hours=1.0))
+    budget.finish(-1, Trial(region="cheap", candidate_hash="a", status=Status.ok, gpu_seconds=1.0))
+    budget.finish(-1, Trial(region="dear", candidate_hash="b", status=Status.ok, gpu_seconds=50.0))
+    budget.taking("cheap")
+    assert budget.try_launch(0, "cuda:0") and budget.in_flight[0].seconds == 1.0
+    budget.taking("dear")
+    assert budget.try_launch(1, "cuda:0") and budget.in_flight[1].seconds == 50.0
+    assert budget.estimate("new") == 120.0  # a region not measured yet: a cold trial
 
 
 def test_a_refused_launch_fits_once_a_trial_in_flight_ends_sooner_than_reserved():
     budget = Budget(StopRule(gpu_hours=10 / 3600))
-    budget.recent.append(3.0)
-    assert all(budget.try_launch(t, f"cuda:{t}") for t in range(3))  # 9 s reserved
-    assert not budget.try_launch(3, "cuda:3")  # 12 s
+    budget.by_region[REGION].append(3.0)
+    assert all(budget.try_launch(t, f"cuda:{t}", REGION) for t in range(3))  # 9 s reserved
+    assert not budget.try_launch(3, "cuda:3", REGION)  # 12 s
     now = time.time()  # cuda:0's trial took 0.5 s, not the 3 s reserved
     budget.finish(0, Trial(region=REGION, candidate_hash="b", status=Status.ok, gpu_seconds=0.5,
                            phases={"wall": 0.5}, started_at=now - 0.5, finished_at=now))
-    assert budget.try_launch(3, "cuda:3")  # 0.5 s spent + 2 * 3 s in flight + 3 s = 9.5 s
+    assert budget.try_launch(3, "cuda:3", REGION)  # 0.5 s spent + 2 * 3 s in flight + 3 s = 9.5 s
 
 
 def test_planning_ahead_skips_candidates_queued_or_in_flight(run):
@@ -464,5 +491,5 @@ def test_the_trial_time_estimate_survives_a_resume(run):
     history = load_history(run, run.problems(), ["cpu"])
     fresh = Budget(StopRule())
     fresh.remember(history.trials)
-    walls = [t.phases["wall"] - t.phases.get("start", 0.0) for t in history.trials]
-    assert fresh.estimate() == pytest.approx(max(walls)) and fresh.estimate() < 20.0
+    costs = [max(0.0, t.gpu_seconds - t.phases.get("start", 0.0)) for t in history.trials]
+    assert fresh.estimate(REGION) == pytest.approx(max(costs)) and fresh.estimate(REGION) < 20.0

@@ -54,8 +54,10 @@ class FakeLanes:
                         continue
                     cand, gen, path = job
                     token = next(self.tokens)
-                    if not budget.try_launch(token, f"lane{i}"):
-                        return
+                    while not budget.try_launch(token, f"lane{i}"):  # as the local executor does
+                        if budget.exhausted or should_stop():
+                            return
+                        budget.wait(0.02)
                     on_start(cand, gen)
                     start = time.time()
                     time.sleep(self.seconds(cand))

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 CPU_NOISE_FLOOR = 0.03
+KEY_PERIOD = 7919
 GPU_NOISE_FLOOR = 0.005
 
 
@@ -105,8 +106,10 @@ def checksum_key(n: int, seed: int, device: torch.device) -> torch.Tensor:
     """+-1 per element from an integer formula of (index, seed): the same on any device, so the
     tuner can recompute a worker's checksum from an output copy."""
     a, b = 2 * (seed % 1_000_003) + 1, seed % 999_983
-    idx = torch.arange(n, device=device, dtype=torch.int64)
-    return ((idx * a + b) % 7919 % 2).to(torch.float32).mul_(2).sub_(1)
+    idx = torch.arange(min(n, KEY_PERIOD), device=device, dtype=torch.int64)
+    one = ((idx * a + b) % KEY_PERIOD % 2).to(torch.float32).mul_(2).sub_(1)
+    # The formula repeats every KEY_PERIOD elements: one period, tiled (not n int64 products).
+    return one.repeat(-(-n // one.numel()))[:n] if n > one.numel() else one
 
 
 def checksum(leaves: list, key: torch.Tensor | None) -> torch.Tensor:
@@ -134,32 +137,43 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
     sums: list[torch.Tensor] = []
     key = checksum_key(max(1, key_len), seed, device) if copy_out is not None else None
 
+    spent = {"draw": 0.0, "copy": 0.0}  # host seconds of the harness's own work, for bench/trial_cost.py
+
+    def draw(i: int) -> Any:
+        s = time.perf_counter()
+        inputs = make_inputs(i)
+        spent["draw"] += time.perf_counter() - s
+        return inputs
+
     def keep_out(out: Any) -> None:
         if copy_out is None:
             return
+        s = time.perf_counter()
         copies, meta = copy_out(out)
         sums.append(checksum(copies, key))
         if keep:
             kept.append((copies, meta))
+        spent["copy"] += time.perf_counter() - s
 
     t0 = time.perf_counter()
     if clock is None:
         samples = []
         for i in range(reps):
-            inputs = make_inputs(i)
+            inputs = draw(i)
             s = time.perf_counter()
             out = call(inputs)
             samples.append((time.perf_counter() - s) * 1e3)
             keep_out(out)
             del out, inputs
         return {"samples": samples, "gaps": [], "host_ms": (time.perf_counter() - t0) * 1e3, "kept": kept,
-                "checksums": [float(x) for x in sums]}
+                "checksums": [float(x) for x in sums], "draw_ms": spent["draw"] * 1e3,
+                "copy_ms": spent["copy"] * 1e3}
     events = []
     in_calls = 0.0
     if lead_cycles > 0:
         torch.cuda._sleep(int(lead_cycles))
     for i in range(reps):
-        inputs = make_inputs(i)
+        inputs = draw(i)
         clock.flush_buf.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s = time.perf_counter()
@@ -175,4 +189,4 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
     samples = [s.elapsed_time(e) for s, e in events]
     gaps = [events[i][1].elapsed_time(events[i + 1][0]) for i in range(len(events) - 1)]
     return {"samples": samples, "gaps": gaps, "host_ms": host_ms, "host_calls_ms": in_calls * 1e3, "kept": kept,
-            "checksums": [float(x) for x in sums]}
+            "checksums": [float(x) for x in sums], "draw_ms": spent["draw"] * 1e3, "copy_ms": spent["copy"] * 1e3}

@@ -276,8 +276,11 @@ def _scaled(tol: Tolerance, ref_max: float, frozen: dict) -> Tolerance:
     perturbed parameters (never tighter than as written)."""
     if tol.kind != "abs":
         return tol
-    frozen_max = max((float(t.abs().max()) for t in frozen["outputs"] if isinstance(t, torch.Tensor) and t.numel()
-                      and t.is_floating_point() and bool(torch.isfinite(t).all())), default=0.0)
+    # The frozen outputs' magnitudes are remembered with their widened copies (`_widened`): every
+    # trial scales by the same ones.
+    widened = [_widened(t, torch.promote_types(t.dtype, torch.float32)) for t in frozen["outputs"]
+               if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()]
+    frozen_max = max((r_max for _, finite, r_max in widened if finite), default=0.0)
     if frozen_max <= 0 or ref_max <= frozen_max:
         return tol
     return Tolerance(kind="abs", value=tol.value * ref_max / frozen_max)

@@ -1,0 +1,178 @@
+"""What one trial costs, phase by phase, at the model's real sizes (issue 26).
+
+    python bench/trial_cost.py [--model examples/llama.py] [--device auto|cpu|cuda] [--trials 3]
+                               [--regions A,B] [--template] [--no-time] [--run runs/<run>]
+                               [--max-seconds 200]
+
+Profiles and freezes the model as `agent tune` does (the full preset on CUDA, the small one on
+the CPU; `--run` reuses a run folder frozen before), then runs `--trials` trials of each
+region's own forward (and, with `--template`, the template planner's first candidate) through
+the real trial path (`TrialRunner.run`: worker start, load and compile, the reference's answers,
+verification, judging, timing) and prints the median seconds of each phase over the trials,
+the device seconds a trial holds, and trials per device-hour at that cost. Phases are the ones
+the runner records per trial (`Trial.phases`):
+
+    start           both workers started and every problem registered (once per worker)
+    load            importing the candidate and its first call per input shape (compiles)
+    lock_wait       waiting for the device lock (sibling workers verifying or timing)
+    refs            the reference worker's answers on the trial's fresh and perturbed draws
+    verify          the verification calls in the candidate's worker (draws included)
+    verify_outputs  copying, hashing and sending those outputs
+    judge           the tuner's comparison with the references
+    time            timing, all of it; of which:
+      time.draw     drawing fresh inputs per repetition (the reference worker's runs)
+      time.copy     copying and checksumming each repetition's outputs (same)
+      time.spot     the spot check: a repetition's kept output against the original's
+    other           what no phase names (the torch.compile probe, integrity checks, replies)
+
+Two rates: one trial after another (device s / trial), and with sibling workers loading and
+compiling meanwhile, as `agent tune` runs them (only refs, verify and time hold the device lock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+PHASES = ["start", "load", "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.draw",
+          "time.copy", "time.spot"]
+
+
+def freeze(model: Path, device: str, regions: list[str] | None, runs_dir: Path) -> Path:
+    from agent.jobs import profile_and_freeze
+    t0 = time.monotonic()
+    print(f"[trial_cost] profiling and freezing {model} on {device} ...", flush=True)
+    out = profile_and_freeze(model, device, None, runs_dir, regions=regions)
+    print(f"[trial_cost] froze {len(out.problems)} problems in {time.monotonic() - t0:.1f} s: "
+          f"{', '.join(p.name for p in out.problems)}", flush=True)
+    return out.run.path
+
+
+def candidates(problem, template: bool) -> list:
+    from agent.history import History
+    from tools.trial import Candidate
+    out = [("own", Candidate(region=problem.name, source=OWN, planner="manual"))]
+    if template:
+        from agent.planners.template import TemplatePlanner
+        got = TemplatePlanner().propose(problem, History(), 1)
+        out += [(f"template {c.template}", c) for c in got[:1]]
+    return out
+
+
+def measure(run: Path, device: str, trials: int, template: bool, do_time: bool, until: float) -> list[dict]:
+    """One row per trial: what, region, status, device seconds and the phases. Round k runs the
+    k-th trial of every region, so a deadline (`until`, monotonic) still leaves each region one."""
+    from sandbox.runner import TrialRunner
+    from tools.problem import Problem
+    folders = sorted(p.parent for p in (run / "problems").glob("*/problem.json"))
+    t0 = time.monotonic()
+    runner = TrialRunner(device)
+    rows: list[dict] = []
+    try:
+        for f in folders:
+            runner.add_problem(f)
+        jobs = {Problem.load(f).name: candidates(Problem.load(f), template) for f in folders}
+        rounds = [[(name, what, c) for name, cs in jobs.items() for what, c in cs if k == 0 or what == "own"]
+                  for k in range(trials)]
+        for k, jobs_k in enumerate(rounds):
+            for name, what, c in jobs_k:
+                if rows and time.monotonic() > until:
+                    print(f"[trial_cost] deadline: stopping after {len(rows)} trials", flush=True)
+                    return rows
+                print(f"[trial_cost] {name} {what} #{k}: running ...", flush=True)
+                trial = runner.run(c, do_time=do_time)
+                rows.append({"what": what, "region": name, "status": trial.status.value, "reason": trial.reason,
+                             "device_s": trial.gpu_seconds, "phases": trial.phases, "speedup": trial.speedup,
+                             "since_start": time.monotonic() - t0})
+                ph = " ".join(f"{k_}={v:.2f}" for k_, v in trial.phases.items())
+                print(f"[trial_cost] {name} {what} #{k}: {trial.status.value} {trial.gpu_seconds:.2f} s ({ph})"
+                      + (f" {trial.reason[:100]}" if trial.status.value != "ok" else ""), flush=True)
+    finally:
+        runner.close()
+    return rows
+
+
+def table(rows: list[dict], device: str) -> str:
+    """Median seconds per phase over the trials of each region (the worker's start, paid once,
+    is its own column), and trials per device-hour at the median steady-state cost."""
+    kind = "CPU" if device == "cpu" else "GPU"
+    regions = list(dict.fromkeys(r["region"] for r in rows))
+    head = ["phase (median s)"] + regions + ["all"]
+    lines = []
+
+    def med(rs: list[dict], key) -> float:
+        xs = [key(r) for r in rs]
+        return statistics.median(xs) if xs else 0.0
+
+    def steady(r: dict) -> float:
+        return max(0.0, r["device_s"] - r["phases"].get("start", 0.0))
+
+    groups = [[r for r in rows if r["region"] == g] for g in regions] + [rows]
+    for ph in PHASES:
+        if not any(ph in r["phases"] for r in rows):
+            continue
+        if ph == "start":
+            lines.append([ph + " (once)"] + [f"{max((r['phases'].get(ph, 0.0) for r in g), default=0):.2f}"
+                                             for g in groups])
+        else:
+            lines.append([ph] + [f"{med(g, lambda r: r['phases'].get(ph, 0.0)):.2f}" for g in groups])
+    top = [p for p in PHASES if "." not in p and p != "start"]
+    lines.append(["other (unnamed)"] + [f"{med(g, lambda r: steady(r) - sum(r['phases'].get(p, 0.0) for p in top)):.2f}"
+                                        for g in groups])
+    lines.append(["device s / trial"] + [f"{med(g, steady):.2f}" for g in groups])
+    lines.append([f"trials / device-hour ({kind})"] + [f"{3600 / max(med(g, steady), 1e-9):.0f}" for g in groups])
+    # What holds the device lock: the bound when sibling workers load and compile meanwhile.
+    locked = lambda r: sum(r["phases"].get(p, 0.0) for p in ("refs", "verify", "time"))  # noqa: E731
+    lines.append(["locked s / trial"] + [f"{med(g, locked):.2f}" for g in groups])
+    lines.append(["  ... / device-hour, loads overlapped"] + [f"{3600 / max(med(g, locked), 1e-9):.0f}" for g in groups])
+    lines.append(["status"] + [",".join(sorted({r['status'] for r in g})) for g in groups])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+
+    def fmt(row: list) -> str:
+        return "  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths)))
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "examples" / "llama.py")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--regions", default="", help="module classes to freeze (default: the profile's choice)")
+    ap.add_argument("--template", action="store_true", help="also one template candidate per region")
+    ap.add_argument("--no-time", action="store_true", help="verification only")
+    ap.add_argument("--run", type=Path, default=None, help="a run folder frozen before (skips the profile)")
+    ap.add_argument("--max-seconds", type=float, default=200.0,
+                    help="start no trial after this many seconds (the freeze included); the table follows")
+    args = ap.parse_args(argv)
+    import torch
+    device = "cuda:0" if args.device in ("auto", "cuda") and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    t0 = time.monotonic()
+    run = args.run or freeze(args.model, device, [r for r in args.regions.split(",") if r] or None,
+                             Path(tempfile.mkdtemp(prefix="nightshift-trial-cost-")))
+    frozen_s = time.monotonic() - t0
+    rows = measure(run, device, args.trials, args.template, not args.no_time, t0 + args.max_seconds)
+    first = rows[0]["since_start"] if rows else float("nan")
+    print(f"\ntrial cost: {args.model.name} on {device} ({'CPU timings' if device == 'cpu' else 'GPU'}), "
+          + (f"preset {os.environ.get('LLAMA_PRESET') or ('full' if device != 'cpu' else 'small')}, "
+             if args.model.name == "llama.py" else "")
+          + f"{len(rows)} trials; freeze {frozen_s:.1f} s; first trial done {first:.1f} s after the runner started")
+    print(table(rows, device))
+    bad = [r for r in rows if r["what"] == "own" and r["status"] != "ok"]
+    for r in bad:
+        print(f"NOT OK: {r['region']} own forward: {r['status']}: {r['reason'][:200]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""What a trial costs (issue 26): the draws are cheap and still the same on both sides, each seed
+set's reference answers are computed once, and bench/trial_cost.py prints a trial's cost by phase."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from sandbox import worker_tensors as T
+from tools.timing import checksum_key
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "models" / "tiny_rmsnorm.py"
+
+DRAW = """
+import hashlib, sys, torch
+sys.path.insert(0, {root!r})
+from sandbox import worker_tensors as T
+torch.manual_seed(0)
+x = torch.randn(300, 70).to(torch.bfloat16)
+m = torch.nn.Sequential(torch.nn.Linear(70, 30), torch.nn.LayerNorm(30))
+torch.manual_seed(1)  # the process's own global generator state must not matter
+torch.randn(5)
+h = hashlib.sha256()
+for t in [*T.vary_set([x], {{"k": x.float()}}, 42)[0], *T.perturbed(m, 7).state_dict().values()]:
+    h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_fresh_inputs_and_perturbed_parameters_are_the_same_bits_in_any_process():
+    """The reference worker and a candidate's worker draw them from the seed alone."""
+    digests = {subprocess.run([sys.executable, "-c", DRAW.format(root=str(ROOT))], capture_output=True, text=True,
+                              check=True).stdout.strip() for _ in range(2)}
+    assert len(digests) == 1 and len(next(iter(digests))) == 64
+
+
+def test_draws_move_every_value_and_keep_the_layout():
+    x = torch.randn(64, 48).t()  # not contiguous: the fresh one is laid out the same
+    fresh = T.vary(x, 3)
+    assert fresh.stride() == x.stride() and fresh.dtype == x.dtype
+    assert not torch.equal(fresh, x) and not torch.equal(fresh, T.vary(x, 4)) and torch.equal(fresh, T.vary(x, 3))
+    m = torch.nn.LayerNorm(48)
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+    moved = T.perturbed(m, 9)
+    assert (moved.weight > 0).all() and not torch.equal(moved.weight, m.weight)  # a scale stays positive
+    assert (moved.bias != 0).all() and moved.bias.dtype == m.bias.dtype  # a zero bias moves off zero
+    assert torch.equal(m.bias, torch.zeros(48))  # the original is untouched
+
+
+def test_the_checksum_key_is_tiled_from_one_period_of_its_formula():
+    for n in (1, 7919, 7920, 123457):
+        for seed in (0, 2**55 + 3):
+            a, b = 2 * (seed % 1_000_003) + 1, seed % 999_983
+            want = ((torch.arange(n) * a + b) % 7919 % 2).float() * 2 - 1
+            assert torch.equal(checksum_key(n, seed, "cpu"), want)
+
+
+def test_each_seed_set_is_answered_by_the_reference_once(tmp_path):
+    from agent.jobs import profile_and_freeze
+    from sandbox.runner import SEED_SETS, Limits, TrialRunner
+    from tools.trial import Candidate
+    run = profile_and_freeze(TINY, "cpu", None, tmp_path / "runs").run.path
+    runner = TrialRunner("cpu", Limits(compile_s=60, run_s=30, time_s=60, budget_ms=50, max_reps=20))
+    asked = []
+    original = runner.reference.request
+
+    def spy(msg, *a, **k):
+        if msg.get("op") == "refs" and msg.get("perturb"):
+            asked.append(msg)
+        return original(msg, *a, **k)
+    runner.reference.request = spy
+    try:
+        runner.add_problem(run / "problems" / "RMSNorm")
+        own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+        trials = [runner.run(Candidate(region="RMSNorm", source=own), do_time=False) for _ in range(SEED_SETS + 2)]
+    finally:
+        runner.reference.request = original
+        runner.close()
+    assert [t.status.value for t in trials] == ["ok"] * len(trials)
+    assert len(asked) == SEED_SETS  # later trials reuse the answers; the draws still differ between sets
+    assert len({m["perturb"]["seed"] for m in asked}) == SEED_SETS
+
+
+def test_the_bench_prints_each_phase_and_trials_per_device_hour(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "trial_cost.py"), "--model", str(TINY),
+                          "--device", "cpu", "--trials", "2"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    table = out.stdout[out.stdout.index("trial cost:"):]
+    for row in ("start (once)", "load", "refs", "verify", "judge", "time", "time.draw", "time.spot",
+                "device s / trial", "trials / device-hour (CPU)"):
+        assert f"\n{row} " in table, (row, table)
+    assert "status" in table and " ok" in table.splitlines()[-1]
