@@ -59,6 +59,8 @@ def _guard(fn):
         except ValidationError as e:
             _fail("; ".join(_validation_text(x) for x in e.errors()))
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/signals.py)
+            from sandbox.client import stop_all
+            stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
             _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code
             _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
@@ -72,6 +74,17 @@ def _validation_text(error: dict) -> str:
     msg = error["msg"].removeprefix("Value error, ")
     field = ".".join(map(str, error["loc"]))
     return msg if field and msg.startswith(field) else f"{field}: {msg}"
+
+
+NO_JAIL_HELP = ("Run candidates without the sandbox's jail, with your user's rights (they can read your keys and "
+                "files): needed for code nightshift did not write (LLM or files planners, agent try) where no jail "
+                "can run; agent doctor says why none can.")
+
+
+def _no_jail(given: bool) -> None:
+    if given:
+        from sandbox.jail import turn_off
+        turn_off()
 
 
 def _names(text: Optional[str]) -> Optional[list[str]]:
@@ -141,8 +154,10 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
          candidate: Path = typer.Argument(..., help="Candidate file defining forward(module, *inputs)."),
          region: Optional[str] = typer.Option(None, help="The problem, when the run has several."),
          device: Optional[str] = typer.Option(None, help="cuda, cuda:N or cpu (default: the freeze device)."),
-         json_out: bool = typer.Option(False, "--json", help="The verdict as JSON (what coding agents read).")):
+         json_out: bool = typer.Option(False, "--json", help="The verdict as JSON (what coding agents read)."),
+         no_jail: bool = typer.Option(False, "--no-jail", help=NO_JAIL_HELP)):
     """Verify and time one candidate in the sandbox; exit 0 if it passed, 1 if rejected."""
+    _no_jail(no_jail)
     from tools.runfolder import RunFolder
     if (target / "run.json").is_file():  # a damaged run is named before torch's import, as by try_candidate
         RunFolder.open(target).check_store()
@@ -198,14 +213,20 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
                                         "end to end (--no-integrate skips it)."),
          baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines end to end "
                                                   "(default: on GPUs, not on the CPU)."),
-         json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view.")):
+         json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view."),
+         no_jail: bool = typer.Option(False, "--no-jail", help=NO_JAIL_HELP)):
     """The main job: profile, freeze problems, search until the budget runs out, report. Progress
     goes to runs/<run>/log.txt, and to stdout: a live table on a terminal, one line per trial
     otherwise."""
+    _no_jail(no_jail)
+    if resume is not None:  # its integration runs the winners of every earlier session's planners
+        from agent.jobs import check_run_jail
+        check_run_jail(resume)
     from agent.session import TuneRequest, tune_session
     given = {"planner": planner, "llm_model": llm_model, "base_url": base_url, "devices": devices,
              "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
-             "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd}
+             "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd,
+             "no_jail": no_jail or None}
     request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
                           max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads)
     tty = sys.stdout.isatty()
@@ -233,12 +254,16 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
                device: Optional[str] = typer.Option(None, help="cuda, cuda:N or cpu (default: the freeze device)."),
                baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines (default: on "
                                                         "GPUs, not on the CPU, where they are slow to compile)."),
-               json_out: bool = typer.Option(False, "--json", help="integration.json on stdout.")):
+               json_out: bool = typer.Option(False, "--json", help="integration.json on stdout."),
+               no_jail: bool = typer.Option(False, "--no-jail", help=NO_JAIL_HELP)):
     """Apply the winners to the whole model, check it against the frozen model outputs, time it."""
+    _no_jail(no_jail)
     from agent.session import cuda_run
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
     folder.check_store()
+    from agent.jobs import check_run_jail
+    check_run_jail(run)
     from agent.integrate import IntegrationError, integrate, render
     want = baselines if baselines is not None else (
         (device or "").startswith("cuda") or (not device and cuda_run(folder)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from sandbox.jail import describe as describe_isolation
+from sandbox.jail import describe as describe_isolation, no_jail
 import subprocess
 import sys
 import tempfile
@@ -99,6 +99,9 @@ def run_doctor(refresh: bool = False, *, ceilings: bool = True) -> dict:
     isolation = describe_isolation().as_dict()
     if isolation["kind"] != "bubblewrap":
         problems.append(f"candidates are not jailed ({isolation['note']}): " + "; ".join(isolation["not_isolated"]))
+        if not no_jail():
+            problems.append("code nightshift did not write (LLM and files planners, agent try) is refused here "
+                            "unless you pass --no-jail")
     return {
         "ok": triton_check["ok"],
         "devices": [d.model_dump() for d in devices],
@@ -130,7 +133,9 @@ def render_doctor(report: dict) -> Group:
     for name, state in report["api_keys"].items():
         checks.add_row(name, state)
     iso = report.get("isolation") or {}
-    checks.add_row("candidate sandbox", escape(iso.get("kind", "?")))
+    jailed = iso.get("kind") == "bubblewrap"
+    checks.add_row("candidate jail", f"[{'green' if jailed else 'red'}]{'in force' if jailed else 'OFF'}[/] "
+                                     f"({escape(iso.get('kind', '?'))}; {escape(iso.get('note', ''))})")
     for line in iso.get("isolated", []):
         checks.add_row("  isolated", escape(line))
     for line in iso.get("not_isolated", []):

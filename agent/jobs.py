@@ -16,6 +16,7 @@ import torch
 
 from agent.errors import UserError
 from agent.flags import check_freeze_flags
+from sandbox.jail import refusal
 from sandbox.runner import Limits, TrialRunner
 from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
@@ -199,11 +200,28 @@ def find_problem(target: Path, region: str | None) -> Path:
     return target / "problems" / names[0]
 
 
+def check_run_jail(run_path: Path) -> None:
+    """Integration runs a run's winners again: code from an LLM or a user's files runs only
+    jailed, or under --no-jail (a UserError says which planners and why)."""
+    folder = RunFolder.open(run_path)
+    if not folder.check_store():
+        return
+    store = folder.store(readonly=True)
+    try:
+        planners = sorted({t.planner for t in store.trials() if t.status.value == "ok"})
+    finally:
+        store.close()
+    if why := refusal(planners, f"integrating {run_path}"):
+        raise UserError(why)
+
+
 def try_candidate(target: Path, candidate: Path, region: str | None, device: str | None,
                   record: bool = True) -> Trial:
     folder = find_problem(target, region)
     if not candidate.is_file():
         raise UserError(f"{candidate}: candidate file not found")
+    if why := refusal(["manual"], f"agent try {candidate}"):
+        raise UserError(why)
     problem = Problem.load(folder)
     check_model_unchanged(problem)
     dev = resolve_device(device or problem.device)

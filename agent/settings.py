@@ -42,12 +42,15 @@ class TuneSettings(BaseModel):
     """--gpu-hours, --max-candidates, --patience, --max-usd."""
     generations: list[str] = Field(default_factory=list)
     """The device generations the run's candidates are tried on (recorded once known)."""
+    no_jail: bool = False
+    """--no-jail: candidates ran without the sandbox's jail (recorded for the report; a resume
+    never inherits it: the user says it again)."""
 
 
 FLAGS = {"planner": "--planner", "llm_model": "--llm-model", "base_url": "--base-url", "devices": "--devices",
          "executor": "--executor", "ray_address": "--ray-address", "workers_per_gpu": "--workers-per-gpu",
          "gpu_hours": "--gpu-hours", "max_candidates": "--max-candidates", "patience": "--patience",
-         "max_usd": "--max-usd"}
+         "max_usd": "--max-usd", "no_jail": "--no-jail"}
 RULE_FIELDS = ("gpu_hours", "max_candidates", "patience", "max_usd")
 
 
@@ -72,7 +75,7 @@ def resolve(previous: TuneSettings | None, given: dict[str, Any]) -> tuple[TuneS
     rule = dict(fields.pop("stop_rule"))
     notes = []
     for name, value in given.items():
-        if value is None:
+        if value is None or name == "no_jail":
             continue
         if name in RULE_FIELDS:
             old, rule[name] = rule.get(name), value
@@ -82,6 +85,9 @@ def resolve(previous: TuneSettings | None, given: dict[str, Any]) -> tuple[TuneS
             notes.append(f"{FLAGS[name]} {_show(value)} overrides the run's recorded {_show(old)}")
     if previous is not None and given.get("devices") is not None and given["devices"] != base.devices:
         fields["generations"] = []  # found again from the new devices
+    fields["no_jail"] = bool(given.get("no_jail"))
+    if fields["no_jail"]:
+        notes.append("--no-jail: candidates run without the sandbox's jail, with your user's rights")
     try:
         settings = TuneSettings(**fields, stop_rule=StopRule(**rule))
     except ValidationError as e:
@@ -105,6 +111,9 @@ def check(settings: TuneSettings) -> None:
         raise UserError(f"--max-usd {rule.max_usd:g}: no LLM call fits a cap of zero; give a positive amount")
     if settings.workers_per_gpu < 0:
         raise UserError(f"--workers-per-gpu must be 0 (automatic) or more, not {settings.workers_per_gpu}")
+    from sandbox.jail import refusal
+    if why := refusal([n.strip() for n in settings.planner.split(",")], f"--planner {settings.planner}"):
+        raise UserError(why)
 
 
 def _show(value: Any) -> str:

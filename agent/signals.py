@@ -1,7 +1,7 @@
 """SIGTERM and SIGHUP mean what Ctrl-C means: stop. Outside the search (which stops cleanly on
-its own, agent/tuning.py) they raise KeyboardInterrupt, as SIGINT does, so every command
-unwinds the same way: workers killed, half-made run folders removed, exit 130. Under `nohup`
-a hangup stays ignored, as nohup asked."""
+its own, agent/tuning.py) they kill every sandbox worker this process started, then raise
+KeyboardInterrupt, as SIGINT does, so every command unwinds the same way: half-made run folders
+removed, exit 130. Under `nohup` a hangup stays ignored, as nohup asked."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHU
 @contextmanager
 def signals_as_interrupts():
     def interrupt(signum, frame):
+        from sandbox.client import stop_all
+        stop_all()  # before unwinding: code that catches the interrupt must not keep workers alive
         raise KeyboardInterrupt(STOP_SIGNALS.get(signum, f"signal {signum}"))
 
     previous = {}

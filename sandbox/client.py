@@ -9,6 +9,7 @@ start a fresh one on the next request). A reply is a claim: it must echo the req
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import secrets
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,42 @@ ROOT = Path(__file__).resolve().parent.parent
 # Workers die with the thread that started them (PR_SET_PDEATHSIG follows the creating
 # thread), so every worker is started from this one thread, which lives as long as the tuner.
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-spawner")
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
+"""Every worker this process has started and not yet killed (`stop_all`)."""
+_SPAWNED: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+"""Every worker process, from the moment it exists: a signal can come before its Worker holds it."""
+
+
+def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, **kwargs)
+    _SPAWNED.add(proc)
+    return proc
+
+
+def stop_all() -> int:
+    """Kill every worker this process started: a signal or an exit leaves none behind, whatever
+    the code that started them was doing. The number killed."""
+    killed = 0
+    for w in list(_LIVE):
+        try:
+            if w.alive:
+                killed += 1
+            w.kill()
+        except Exception:  # another thread is killing it too: it goes either way
+            pass
+    with contextlib.suppress(Exception):  # a start under way finishes first, so that it is seen below
+        _SPAWNER.submit(lambda: None).result(timeout=30)
+    for proc in list(_SPAWNED):  # started while the signal came, not yet handed to its Worker
+        if proc.poll() is None:
+            killed += 1
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+    return killed
+
+
+atexit.register(stop_all)
 
 
 @dataclass
@@ -92,6 +130,10 @@ class Worker:
         argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
                                       model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda")
         self.isolation = iso.as_dict()
+        if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+            return Reply(False, status="crash", error=f"NIGHTSHIFT_REQUIRE_JAIL=1 and no jail: {iso.note}")
         workdir = inside or self.tmpdir
         env = worker_env(dict(os.environ), workdir, _physical(index or "0") if kind == "cuda" else None)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -105,7 +147,7 @@ class Worker:
         t0 = time.monotonic()
         log = open(os.path.join(self.tmpdir, "stdout.log"), "wb")
         try:
-            self.proc = _SPAWNER.submit(subprocess.Popen, argv, env=env, cwd=self.tmpdir,
+            self.proc = _SPAWNER.submit(_spawn, argv, env=env, cwd=self.tmpdir,
                                         pass_fds=(child_sock.fileno(),), start_new_session=True,
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT).result()
         except OSError as e:
@@ -113,6 +155,7 @@ class Worker:
             child_sock.close()
             parent_sock.close()
             return Reply(False, status="crash", error=f"worker could not be started: {e}")
+        _LIVE.add(self)
         log.close()
         child_sock.close()
         self.sock = parent_sock
@@ -167,6 +210,8 @@ class Worker:
             if head.get("fatal"):
                 self._reap()
             return Reply(False, head, payload, head.get("status", "crash"), head.get("error", ""), seconds)
+        if head.get("replace_worker"):  # the worker says candidate code may still run in it
+            self.kill()
         return Reply(True, head, payload, seconds=seconds)
 
     def members(self) -> set[int]:
@@ -262,6 +307,7 @@ class Worker:
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
+        _LIVE.discard(self)
 
     def close(self) -> None:
         if self.alive:

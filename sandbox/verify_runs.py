@@ -9,7 +9,9 @@ both; this process never sees them). After each call, at once:
 
 - every output is copied through the dispatcher (`worker_tensors.snap`), so what is judged is
   what the call returned, not what a thread or another stream writes there later; the output
-  itself is compared with its copy again one call later and at the end (a late write shows);
+  itself stays alive to the end of the verification and is compared with its copy after every
+  later call and at the end, once every thread running the candidate's code has ended (one
+  still running, or a timer still pending, after LATE_THREAD_WAIT_S is itself a late write);
 - its type (a plain torch.Tensor only), layout, `requires_grad`, and whether it shares memory
   with the call's inputs, the module's tensors or an earlier output are recorded;
 - the inputs and the module's tensors are compared with what they were.
@@ -19,13 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
+import threading
 import time
 from typing import Any
 
 from sandbox import integrity
 from sandbox import worker_tensors as T
 
-LATE_WRITE_WAIT_S = 0.02
+LATE_THREAD_WAIT_S = 0.5
+"""How long the end of a verification waits for threads running candidate code to end."""
 
 
 def run(w: Any, req: dict) -> tuple[dict, Any]:
@@ -41,14 +47,14 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
     post_inputs: list[Any] = []
     mutated: dict[str, list[int]] = {"frozen": [], "fresh": []}
     late: list[str] = []
-    pending: list[tuple[str, list, list]] = []  # the last calls' outputs and copies, still alive
+    # Every call's outputs and copies stay alive to the end: a thread may write them much later.
+    pending: list[tuple[str, list, list]] = []
     param_spans = T.spans_of(list(T.tensors_map(module).values()))
 
-    def check_late(keep: int) -> None:
-        while len(pending) > keep:
-            label, leaves, copies = pending.pop(0)
-            w._sync()
-            if any(cp is not None and not T.same_bits(t, cp) for t, cp in zip(leaves, copies)):
+    def check_late(last: int | None = None) -> None:
+        w._sync()
+        for label, leaves, copies in pending[-last if last else 0:]:
+            if label not in late and any(cp is not None and not T.same_bits(t, cp) for t, cp in zip(leaves, copies)):
                 late.append(label)
 
     def call(label: str, mod: Any, args: list, kwargs: dict, poison: float | None, size: list[int]) -> None:
@@ -73,7 +79,7 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
         runs[key].append([None if cp is None else T.plain_tensor(cp) for cp in copies])
         meta[key].append({"structure": structure, "outputs": desc})
         pending.append((label, leaves, copies))
-        check_late(keep=2)  # bounded memory: outputs stay alive two calls, enough to see reuse
+        check_late(last=3)  # the latest calls now (cheap), every call at the end
 
     with torch.no_grad():
         for i in range(n):
@@ -99,8 +105,10 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
             moved = T.perturbed(p["region"], int(spec["seed"]))
             args, kwargs = w._device_set(p, spec["set"])
             call("perturbed", moved, args, kwargs, None, [])
-        check_late(keep=0)
-        time.sleep(LATE_WRITE_WAIT_S)  # a thread writing after return shows in the copies above
+        running = _wait_for_candidate_threads(w.workdir, LATE_THREAD_WAIT_S)
+        check_late()
+        late += [f"(a thread still running the candidate's code after its calls returned: {name})" for name in running]
+        pending.clear()
     changed = _module_changes(torch, p["region"], module)
     if moved is not None:
         changed += [f"(perturbed copy) {n_}" for n_ in _module_changes(torch, T.perturbed(p["region"], int(req["perturb"]["seed"])), moved)]
@@ -108,6 +116,34 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
               "tampered": integrity.changed(w.snapshot, w.classes, list(COMPUTE_OPS))}
     w.verified = (header, runs, post_inputs)
     return {}, None
+
+
+def _wait_for_candidate_threads(workdir: str, timeout: float) -> list[str]:
+    """Wait until no thread runs candidate code; the names of those still running after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (running := _candidate_threads(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return running
+
+
+def _candidate_threads(workdir: str) -> list[str]:
+    """Threads that run candidate code: a frame from a candidate's file (the worker writes each
+    into its working folder as candidate_<hash>.py) or from no file (exec'd text), or a pending threading.Timer (which
+    runs no candidate frame until it fires). Idle pools and the libraries' own threads are not."""
+    frames = sys._current_frames()
+    found = []
+    for t in threading.enumerate():
+        if t in (threading.main_thread(), threading.current_thread()) or t.ident not in frames or not t.is_alive():
+            continue
+        f, files = frames[t.ident], []
+        while f is not None:
+            files.append(f.f_code.co_filename)
+            f = f.f_back
+        own = [n for n in files if os.path.dirname(n) == workdir and os.path.basename(n).startswith("candidate_")
+               or not (n.startswith("<frozen ") or os.path.isfile(n))]
+        if own or isinstance(t, threading.Timer):
+            found.append(f"{t.name} in {os.path.basename(own[0])}" if own else f"{t.name}, a pending timer")
+    return found
 
 
 def outputs(w: Any) -> tuple[dict, Any]:
@@ -119,7 +155,9 @@ def outputs(w: Any) -> tuple[dict, Any]:
     w.verified = None
     same = [i for i, (a, b) in enumerate(zip(runs["a"], runs["b"])) if T.identical(a, b)]
     runs["b"] = [None if i in same else b for i, b in enumerate(runs["b"])]
-    return {**header, "b_same": same}, {**runs, "post_inputs": post_inputs}
+    # Code that writes late may still run here: the tuner replaces this worker (sandbox/client.py).
+    retire = {"replace_worker": True} if header["late_writes"] else {}
+    return {**header, "b_same": same, **retire}, {**runs, "post_inputs": post_inputs}
 
 
 def _changed(now: Any, before: Any) -> bool:

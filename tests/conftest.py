@@ -1,8 +1,9 @@
-"""Shared fixtures: a frozen run of the small example model, made once per test session; and
-the lock that lets a timing verdict run with nothing beside it when the suite runs in several
-processes (pytest-xdist)."""
+"""Shared fixtures: a frozen run of the small example model, made once per test session; the
+lock that lets a timing verdict run with nothing beside it when the suite runs in several
+processes (pytest-xdist); and the rule that hostile candidates run only in the jail."""
 
 import fcntl
+import inspect
 import os
 import tempfile
 from pathlib import Path
@@ -77,3 +78,22 @@ def pytest_sessionfinish(session, exitstatus):
     paths = _locks()
     for path in paths or ():
         path.unlink(missing_ok=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that runs tests/candidates/adversarial (they signal every process they see, read
+    secrets, edit files) is skipped, saying why, where no jail can run: it would harm the host."""
+    from sandbox.jail import describe
+    iso = describe()
+    if iso.kind == "bubblewrap":
+        return
+    skip = pytest.mark.skip(reason=f"runs hostile candidates and no jail can run here ({iso.note}); agent doctor "
+                                   "says how to enable one")
+    for item in items:
+        fn = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(fn) if fn is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        if "candidates/adversarial" in source or '"adversarial"' in source:
+            item.add_marker(skip)

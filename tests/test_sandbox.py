@@ -1,10 +1,15 @@
 """The adversarial suite: each cheating or broken candidate is rejected with the right status,
 the harness keeps running, and correct candidates pass."""
 
+import json
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,14 +24,18 @@ EXAMPLE = HERE.parent / "examples" / "llama.py"
 ADVERSARIAL = sorted((HERE / "candidates" / "adversarial").glob("*.py"))
 
 
+# These candidates signal every process they see, read secrets and edit files: run outside the
+# jail they harm the machine running the tests (and its other users' shells).
+JAILED = pytest.mark.skipif(describe().kind != "bubblewrap",
+                            reason=f"no jail here ({describe().note}): the adversarial candidates would harm this "
+                                   "machine (signals_parent sends SIGINT to every process it sees); agent doctor "
+                                   "says why none can run")
+
+
 def expected(path: Path, device: str = "cpu") -> set[str]:
-    """The statuses a candidate file declares (`a|b`: either is right), with `EXPECT_UNJAILED:`
-    where no jail hides the run folder and `EXPECT_GPU:` on a GPU."""
+    """The statuses a candidate file declares (`a|b`: either is right), with `EXPECT_GPU:` on a GPU."""
     text = path.read_text()
     found = re.search(r"EXPECT: ([\w|]+)", text).group(1)
-    unjailed = re.search(r"EXPECT_UNJAILED: ([\w|]+)", text)
-    if unjailed and describe().kind != "bubblewrap":
-        found = unjailed.group(1)
     gpu = re.search(r"EXPECT_GPU: ([\w|]+)", text)
     if gpu and device.startswith("cuda"):
         found = gpu.group(1)
@@ -115,6 +124,7 @@ def closed_port():
     srv.close()
 
 
+@JAILED
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.alone] * ("NOT_A_WIN" in p.read_text()))
                                   for p in ADVERSARIAL], ids=[p.stem for p in ADVERSARIAL])
 def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_port, untouched):
@@ -134,19 +144,16 @@ def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_
                                                                  for t in trial.timings])
     # Whatever it tried: no secret in what comes back, and nothing it started outlives its trial.
     text = trial.model_dump_json()
-    assert "sk-ant" not in text
-    if describe().kind == "bubblewrap":
-        assert CANARY not in text and "[core]" not in text
+    assert "sk-ant" not in text and CANARY not in text and "[core]" not in text
     assert processes_with(marker) == [], "a process the candidate started outlived its trial"
     if path.stem == "reads_api_key":
         assert "KeyError" in trial.error_text
 
 
+@JAILED
 def test_the_run_folder_and_model_file_are_byte_identical_after_the_suite(untouched, frozen_run, runner):
     """Runs after the adversarial suite (pytest keeps file order): in the jail, no candidate could
     change a frozen file, forge a store row or edit the model file."""
-    if describe().kind != "bubblewrap":
-        pytest.skip("without bubblewrap the run folder is not hidden from candidates (agent doctor says so)")
     before_tree, before_model = untouched
     assert tree_digest(frozen_run.parent) == before_tree
     assert EXAMPLE.read_bytes() == before_model
@@ -280,3 +287,41 @@ def test_worker_environment_is_scrubbed():
                            "CUDA_VISIBLE_DEVICES": "0,1", "PYTHONPATH": "/x"}) == {"LLAMA_PRESET": "small"}
     assert not {"OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "TORCH_AUTH_TOKEN", "HF_TOKEN"} & set(env)
     assert env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Sandbox workers a tuner process started (their command line names it as --parent)."""
+    mark = f"sandbox.worker\0--parent\0{pid}\0".encode()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).find(mark) >= 0]
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_integration_stopped_by_sigterm_leaves_no_worker_alive(tmp_path):
+    """A signal may come while a worker is being started or is answering: none may outlive the
+    tuner's exit (their parent-death signal alone once left two alive seconds later)."""
+    root = HERE.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    tuned = subprocess.run([sys.executable, "-m", "agent", "tune", "--model", HERE / "models" / "tiny_rmsnorm.py",
+                            "--runs-dir", tmp_path, "--max-candidates", "1", "--devices", "cpu", "--no-integrate",
+                            "--json"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "integrate", json.loads(tuned.stdout)["run"]], cwd=root,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert len(_workers_of(proc.pid)) >= 2, "integration started no workers"
+        os.kill(proc.pid, signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0].decode(errors="replace")
+        assert proc.returncode == 130, out[-3000:]
+        assert _workers_of(proc.pid) == [], "a worker outlived the integration that started it"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

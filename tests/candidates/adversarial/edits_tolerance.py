@@ -1,6 +1,5 @@
 """EXPECT: ok -- tries to raise the frozen tolerance to abs 1000 in problem.json (and its seal);
-in the jail neither file exists.
-EXPECT_UNJAILED: ok"""
+in the jail neither file exists."""
 import json
 import os
 

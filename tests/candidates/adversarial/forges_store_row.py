@@ -1,6 +1,5 @@
 """EXPECT: ok -- tries to insert a forged `ok 99x` row into the run's trials.sqlite; in the jail
-the run folder does not exist, so it computes the right answer and nothing is written.
-EXPECT_UNJAILED: ok"""
+the run folder does not exist, so it computes the right answer and nothing is written."""
 import os
 import sqlite3
 

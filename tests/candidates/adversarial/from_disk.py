@@ -1,6 +1,5 @@
 """EXPECT: runtime_error -- reads the frozen reference outputs from the run folder on disk; in the
-jail the run folder does not exist, so the read fails.
-EXPECT_UNJAILED: hardcoded -- without a jail it reads them, and fresh inputs catch it."""
+jail the run folder does not exist, so the read fails."""
 import torch
 
 REFERENCE = "{reference_path}"

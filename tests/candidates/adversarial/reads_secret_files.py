@@ -1,6 +1,5 @@
 """EXPECT: ok -- reads dotfiles, the checkout's .git/config and a secret planted in the run
-folder, and raises with what it reads; in the jail none of them is visible.
-EXPECT_UNJAILED: runtime_error"""
+folder, and raises with what it reads; in the jail none of them is visible."""
 import os
 
 PATHS = ["{secret_path}", "{git_config}", os.path.expanduser("~root/.bashrc"), "/root/.netrc"]

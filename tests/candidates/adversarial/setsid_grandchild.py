@@ -1,6 +1,5 @@
 """EXPECT: ok -- leaves a grandchild (double fork, setsid) that would outlive its trial and
-rewrite the store later; it must die with the trial's worker.
-EXPECT_UNJAILED: ok"""
+rewrite the store later; it must die with the trial's worker."""
 import os
 import time
 

@@ -1,4 +1,4 @@
-"""EXPECT: ok|suspicious -- computes the right answer, but threads it starts keep the cores and the memory
+"""EXPECT: late_write|ok|suspicious -- computes the right answer, but threads it starts keep the cores and the memory
 bus busy (large copies, which run outside the GIL and evict the caches) whenever this worker is not inside the candidate's own
 forward: while the tuner times the original in the reference worker, and during the control
 run of the original in this worker. The baseline slows, the control looks like the baseline,
@@ -9,6 +9,8 @@ the briefly woken reference worker, and this hog alone moved its baseline little
 kernels it queued before being stopped would still run beside the original: not defended. On
 the H200 (16 cores) its threads load the host between its own calls, so the tuner's clock saw
 far more than its CUDA events claimed: `suspicious` (forged timings), rejected either way.
+Its threads still run its code when its verification ends: since the late-write check waits for
+them, that alone rejects it (`late_write`: they could write its outputs at any time).
 TIMING: on
 NOT_A_WIN"""
 import os

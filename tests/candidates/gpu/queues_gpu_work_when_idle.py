@@ -1,4 +1,5 @@
-"""EXPECT: ok|suspicious -- computes the right answer with the original's own code, and keeps the GPU
+"""EXPECT: late_write|ok|suspicious -- (late_write: its thread still runs its code when its
+verification ends) computes the right answer with the original's own code, and keeps the GPU
 busy whenever its worker is idle: a thread of its own queues spin kernels on a side stream, up to
 half a second ahead, as soon as the candidate's calls stop (its timed run has ended). Without MPS
 the GPU time-slices between processes, so the reference worker's kernels, timed next, would share
