@@ -20,7 +20,8 @@ the runner records per trial (`Trial.phases`):
     verify_outputs  copying, hashing and sending those outputs
     judge           the tuner's comparison with the references
     time            timing, all of it; of which:
-      time.draw     drawing fresh inputs per repetition (the reference worker's runs)
+      time.draw     drawing fresh inputs per repetition (the reference worker's timed runs,
+                    host seconds: on CUDA what launching the draws cost the host)
       time.copy     copying and checksumming each repetition's outputs (same)
       time.spot     the spot check: a repetition's kept output against the original's
     other           what no phase names (the torch.compile probe, integrity checks, replies)
@@ -63,7 +64,7 @@ def candidates(problem, template: bool) -> list:
     out = [("own", Candidate(region=problem.name, source=OWN, planner="manual"))]
     if template:
         from agent.planners.template import TemplatePlanner
-        got = TemplatePlanner().propose(problem, History(), 1)
+        got = TemplatePlanner().propose(problem, History({problem.name: ["this device"]}), 1)
         out += [(f"template {c.template}", c) for c in got[:1]]
     return out
 
@@ -102,10 +103,12 @@ def measure(run: Path, device: str, trials: int, template: bool, do_time: bool, 
 
 
 def table(rows: list[dict], device: str) -> str:
-    """Median seconds per phase over the trials of each region (the worker's start, paid once,
-    is its own column), and trials per device-hour at the median steady-state cost."""
+    """Median seconds per phase over the trials of each region's own forward (a template
+    candidate in a column of its own; the worker's start, paid once, a row of its own), and
+    trials per device-hour at the median steady-state cost."""
     kind = "CPU" if device == "cpu" else "GPU"
-    regions = list(dict.fromkeys(r["region"] for r in rows))
+    label = lambda r: r["region"] if r["what"] == "own" else f"{r['region']} ({r['what']})"  # noqa: E731
+    regions = list(dict.fromkeys(label(r) for r in rows))
     head = ["phase (median s)"] + regions + ["all"]
     lines = []
 
@@ -116,7 +119,7 @@ def table(rows: list[dict], device: str) -> str:
     def steady(r: dict) -> float:
         return max(0.0, r["device_s"] - r["phases"].get("start", 0.0))
 
-    groups = [[r for r in rows if r["region"] == g] for g in regions] + [rows]
+    groups = [[r for r in rows if label(r) == g] for g in regions] + [rows]
     for ph in PHASES:
         if not any(ph in r["phases"] for r in rows):
             continue
