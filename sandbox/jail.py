@@ -86,7 +86,11 @@ def bwrap_path() -> str | None:
         return None
 
 
-def _userns_hint() -> str:
+def _read(path: str) -> str:
+    return Path(path).read_text()
+
+
+def _userns_hint(read=_read) -> str:
     """Which kernel setting keeps an unprivileged user from making namespaces here, if one does."""
     for path, off, fix in (("/proc/sys/kernel/unprivileged_userns_clone", "0",
                             "sysctl -w kernel.unprivileged_userns_clone=1"),
@@ -95,7 +99,7 @@ def _userns_hint() -> str:
                             "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 (or an AppArmor profile "
                             "allowing userns for bwrap)")):
         try:
-            if Path(path).read_text().strip() == off:
+            if read(path).strip() == off:
                 return f"; user namespaces are off ({path} is {off}): {fix}"
         except OSError:
             pass

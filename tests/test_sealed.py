@@ -207,6 +207,21 @@ def test_without_a_system_bwrap_the_bundled_one_is_used(monkeypatch):
     assert jail.bwrap_path() is None and jail.describe().note == "turned off by --no-jail"
 
 
+def test_where_user_namespaces_are_off_the_reason_names_the_setting_to_change():
+    def reads(values):
+        def read(path):
+            if path not in values:
+                raise FileNotFoundError(path)
+            return values[path]
+        return read
+    assert "kernel.unprivileged_userns_clone=1" in jail._userns_hint(reads({
+        "/proc/sys/kernel/unprivileged_userns_clone": "0\n", "/proc/sys/user/max_user_namespaces": "100"}))
+    assert "user.max_user_namespaces" in jail._userns_hint(reads({"/proc/sys/user/max_user_namespaces": "0"}))
+    assert "apparmor_restrict_unprivileged_userns=0" in jail._userns_hint(reads({
+        "/proc/sys/kernel/apparmor_restrict_unprivileged_userns": "1"}))
+    assert jail._userns_hint(reads({"/proc/sys/user/max_user_namespaces": "15000"})) == ""
+
+
 def test_code_nightshift_did_not_write_never_runs_unjailed_without_no_jail(frozen_run, monkeypatch, tmp_path):
     from agent.errors import UserError
     from agent.jobs import try_candidate
