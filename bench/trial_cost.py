@@ -2,7 +2,7 @@
 
     python bench/trial_cost.py [--model examples/llama.py] [--device auto|cpu|cuda] [--trials 3]
                                [--regions A,B] [--template] [--no-time] [--run runs/<run>]
-                               [--max-seconds 200]
+                               [--budget-ms MS] [--max-seconds 200]
 
 Profiles and freezes the model as `agent tune` does (the full preset on CUDA, the small one on
 the CPU; `--run` reuses a run folder frozen before), then runs `--trials` trials of each
@@ -69,14 +69,15 @@ def candidates(problem, template: bool) -> list:
     return out
 
 
-def measure(run: Path, device: str, trials: int, template: bool, do_time: bool, until: float) -> list[dict]:
+def measure(run: Path, device: str, trials: int, template: bool, do_time: bool, until: float,
+            budget_ms: float | None = None) -> list[dict]:
     """One row per trial: what, region, status, device seconds and the phases. Round k runs the
     k-th trial of every region, so a deadline (`until`, monotonic) still leaves each region one."""
-    from sandbox.runner import TrialRunner
+    from sandbox.runner import Limits, TrialRunner
     from tools.problem import Problem
     folders = sorted(p.parent for p in (run / "problems").glob("*/problem.json"))
     t0 = time.monotonic()
-    runner = TrialRunner(device)
+    runner = TrialRunner(device, Limits(**({"budget_ms": budget_ms} if budget_ms else {})))
     rows: list[dict] = []
     try:
         for f in folders:
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--template", action="store_true", help="also one template candidate per region")
     ap.add_argument("--no-time", action="store_true", help="verification only")
     ap.add_argument("--run", type=Path, default=None, help="a run folder frozen before (skips the profile)")
+    ap.add_argument("--budget-ms", type=float, default=None, help="timing budget per workload (default: Limits')")
     ap.add_argument("--max-seconds", type=float, default=200.0,
                     help="start no trial after this many seconds (the freeze included); the table follows")
     args = ap.parse_args(argv)
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     run = args.run or freeze(args.model, device, [r for r in args.regions.split(",") if r] or None,
                              Path(tempfile.mkdtemp(prefix="nightshift-trial-cost-")))
     frozen_s = time.monotonic() - t0
-    rows = measure(run, device, args.trials, args.template, not args.no_time, t0 + args.max_seconds)
+    rows = measure(run, device, args.trials, args.template, not args.no_time, t0 + args.max_seconds, args.budget_ms)
     first = rows[0]["since_start"] if rows else float("nan")
     print(f"\ntrial cost: {args.model.name} on {device} ({'CPU timings' if device == 'cpu' else 'GPU'}), "
           + (f"preset {os.environ.get('LLAMA_PRESET') or ('full' if device != 'cpu' else 'small')}, "
