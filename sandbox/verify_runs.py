@@ -63,8 +63,9 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
             _poison(w, poison, size)
         in_spans = T.spans_of([args, kwargs])
         earlier = [T.span(t) for _, leaves, _ in pending for t in leaves if isinstance(t, torch.Tensor)]
-        nan_fill = poison is not None and math.isnan(poison) and w.device.type == "cpu"
-        fill = T.fill_uninitialized(torch) if nan_fill else contextlib.nullcontext()
+        fill = contextlib.nullcontext()
+        if poison is not None and w.device.type == "cpu":
+            fill = T.fill_uninitialized(torch) if math.isnan(poison) else T.fill_sentinel(torch)
         with fill:
             out = w._call(lambda: fwd(mod, *args, **kwargs), "run")
             # Copied on the current stream at once: work left on a side stream is a race here.

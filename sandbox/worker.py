@@ -129,7 +129,7 @@ class Worker:
         p = self.problems[req["problem"]] if self.role == "reference" else self._loaded()[1]
         base_args, base_kwargs = self._device_set(p, req["set"])
         seed = int(req["seed"])
-        make = lambda j: T.vary_set(base_args, base_kwargs, seed + 1000003 * j)  # noqa: E731
+        make = T.WrittenInPlace(lambda j: T.vary_set(base_args, base_kwargs, seed + 1000003 * j))
         if self.role == "reference" or req.get("control"):
             region, fwd = p["region"], p["forward"]
             call = lambda a: fwd(region, *a[0], **a[1])  # noqa: E731

@@ -28,8 +28,8 @@ class fill_uninitialized:
     """While active, fresh CPU memory from torch.empty & co. is filled with NaN (torch's own
     deterministic-mode fill): an output never written reads NaN, whatever malloc hands out.
 
-    Only on the CPU, and only the first call: on CUDA the caching allocator hands back the
-    poisoned blocks (verify_runs._poison), so no switch is needed. The switch is guarded global
+    Only on the CPU: on CUDA the caching allocator hands back the poisoned blocks
+    (verify_runs._poison), so no switch is needed. The switch is guarded global
     state for torch.compile, so a compiled candidate compiles once more for this call; what
     must never surround a candidate's call is a Python TorchDispatchMode: dynamo then marks
     the frame as skipped for good and every later call, the timed ones too, runs eager."""
@@ -52,6 +52,40 @@ class fill_uninitialized:
         mode, warn_only, fill = self.before
         self.torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
         self.torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+class fill_sentinel:
+    """While active, fresh memory from torch.empty & co. is filled with SENTINEL (CPU, second
+    verification call): malloc does not reliably hand back the poisoned blocks there. A Python
+    dispatch mode, so only while torch._dynamo is not loaded: dynamo skips a frame called under
+    one for good, and the candidate's compiled code would run eager ever after."""
+
+    def __init__(self, torch):
+        self.torch, self.mode = torch, None
+
+    def __enter__(self):
+        import sys
+        if "torch._dynamo" in sys.modules:
+            return
+        torch = self.torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        aten = torch.ops.aten
+        empties = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+                   aten.new_empty.default, aten.new_empty_strided.default}
+
+        class FillEmpty(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in empties and isinstance(out, torch.Tensor) and out.numel():
+                    out.fill_(SENTINEL if (out.is_floating_point() or out.is_complex()) else 77)
+                return out
+
+        self.mode = FillEmpty()
+        self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
 
 
 # -- what an output is --------------------------------------------------------------------
@@ -198,6 +232,42 @@ def vary(x: Any, seed: int) -> Any:
 def vary_set(args: list, kwargs: dict, seed: int) -> tuple[list, dict]:
     """(args, kwargs) of a fresh input set drawn from a frozen one already on the device."""
     return vary(list(args), seed), vary(dict(kwargs), seed ^ 0x5DEECE66D)
+
+
+class WrittenInPlace:
+    """Fresh input sets for timed repetitions in which an input the call writes into (a KV
+    cache) keeps one address from the second repetition on, its fresh values copied in: a served
+    model's cache lives at a fixed address, and CUDA graphs (reduce-overhead) re-record for
+    every new one. Every other input is new memory each repetition. Both workers draw alike."""
+
+    def __init__(self, draw):
+        self.draw, self.last, self.versions, self.kept = draw, [], [], {}
+
+    def __call__(self, j: int) -> Any:
+        fresh = self.draw(j)
+        leaves = list(tensors(fresh))
+        for k, (t, v) in enumerate(zip(self.last, self.versions)):
+            if k not in self.kept and t._version != v:  # written by the last call: kept from now on
+                self.kept[k] = t
+        if self.kept:
+            fresh = _swap(fresh, {id(leaves[k]): buf for k, buf in self.kept.items() if k < len(leaves)
+                                  and buf.shape == leaves[k].shape and buf.dtype == leaves[k].dtype})
+            leaves = list(tensors(fresh))
+        self.last, self.versions = leaves, [t._version for t in leaves]
+        return fresh
+
+
+def _swap(x: Any, into: dict) -> Any:
+    """`x` with each tensor whose id is in `into` copied into that buffer, which stands in for it."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        buf = into.get(id(x))
+        return x if buf is None else buf.copy_(x)
+    if isinstance(x, dict):
+        return {k: _swap(v, into) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_swap(v, into) for v in x)
+    return x
 
 
 def perturbed(module: Any, seed: int) -> Any:

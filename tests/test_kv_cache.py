@@ -283,3 +283,21 @@ def test_cache_templates_at_llama_8b_sizes_in_bf16_on_gpu(tmp_path, monkeypatch)
             if err > tol.value or cache_err > 0:
                 failures.append((name, w.name, err, cache_err))
     assert not failures, failures
+
+
+def test_a_timed_repetition_writes_its_cache_at_one_address_and_draws_everything_else_anew():
+    """A served model's KV cache lives at a fixed address (CUDA graphs re-record for a new one):
+    from the second repetition on, an input the call wrote into keeps its memory, its fresh
+    values copied in; every other input is new memory each repetition."""
+    from sandbox import worker_tensors as T
+    base_args, base_kwargs = [torch.randn(2, 8), torch.zeros(2, 16, 8)], {}
+    make = T.WrittenInPlace(lambda j: T.vary_set(base_args, base_kwargs, 100 + j))
+    seen = []
+    for j in range(4):
+        (x, cache), _ = make(j)
+        want = T.vary_set(base_args, base_kwargs, 100 + j)[0]
+        assert torch.equal(x, want[0]) and torch.equal(cache, want[1])  # the fresh values, wherever they live
+        seen.append((x.data_ptr(), cache.data_ptr()))
+        cache[:, :2] = x.unsqueeze(1)  # the call writes its new tokens into the cache
+    assert len({c for _, c in seen[1:]}) == 1
+    assert make.kept and set(make.kept) == {1}  # the cache, and only the cache, is kept
