@@ -321,3 +321,19 @@ def test_one_slow_forward_does_not_move_the_shares(tmp_path):
     # three 512-wide linears; the median forward sees a 32x32 fill.
     assert rows["mask"].share < 0.5, (rows["mask"].share, rows["work"].share)
     assert rows["mask"].calls == 1 and rows["mask"].kernels >= 2
+
+
+def test_the_roofline_floor_counts_only_the_attention_a_kernel_cannot_skip():
+    """torch counts fused attention as every query against every key; the floor (a lower bound:
+    a candidate below it is refused as impossible) counts half for a causal call and the share
+    of keys an additive mask lets through."""
+    from tools.capture import _attention_flops
+    aten = torch.ops.aten
+    formulas = _attention_flops()
+    q = torch.randn(1, 4, 256, 64)
+    flash, efficient = formulas[aten._scaled_dot_product_flash_attention], formulas[aten._scaled_dot_product_efficient_attention]
+    full = flash(q, q, q, 0.0, False)
+    assert full > 0 and flash(q, q, q, 0.0, True) == full // 2
+    half_masked = torch.zeros(1, 4, 256, 256)
+    half_masked[..., 128:] = -float("inf")
+    assert efficient(q, q, q, None, False) == full and efficient(q, q, q, half_masked, False) == full // 2

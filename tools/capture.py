@@ -59,6 +59,36 @@ def instances_of(model: torch.nn.Module, class_name: str) -> list[str]:
     return [p for p, m in model.named_modules() if type(m).__qualname__ == class_name]
 
 
+def _attention_flops() -> dict:
+    """torch's FLOP formulas for fused attention count every query against every key; a floor
+    must not count work a kernel may skip: a causal call does about half, a masked one the
+    share of keys its mask lets through (a 16k causal prefill otherwise had a floor above what
+    the original itself took, and honest kernels were refused as impossible)."""
+    from torch.utils.flop_counter import flop_registry
+    aten = torch.ops.aten
+    # (op, index of is_causal, index of the additive mask or None) in each op's schema
+    ops = [(aten._scaled_dot_product_flash_attention.default, 4, None),
+           (aten._scaled_dot_product_efficient_attention.default, 6, 3),
+           (aten._scaled_dot_product_cudnn_attention.default, 6, 3)]
+    out = {}
+    for op, causal_at, mask_at in ops:
+        full = flop_registry.get(op.overloadpacket)
+        if full is None:
+            continue
+
+        def formula(*args, out_val=None, _full=full, _c=causal_at, _m=mask_at, **kwargs):
+            flops = _full(*args, out_val=out_val, **kwargs)
+            if (args[_c] if len(args) > _c else kwargs.get("is_causal", False)):
+                return flops // 2
+            mask = args[_m] if _m is not None and len(args) > _m else None
+            if isinstance(mask, torch.Tensor) and mask.numel():
+                return int(flops * float((mask > -float("inf")).float().mean()))
+            return flops
+        formula._get_raw = True  # tensors as they are: the mask's values, not its shape
+        out[op.overloadpacket] = formula
+    return out
+
+
 def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: dict, device: torch.device,
               ceilings: dict | None, notes: list[str] | None = None) -> float | None:
     """Lower bound for one call: each input, output and parameter moved once, FLOPs at peak.
@@ -76,7 +106,7 @@ def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: di
         return None
     try:
         args, kwargs = call_args(input_set, device)
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=_attention_flops())
         with torch.no_grad(), counter:
             region(*args, **kwargs)
         flops = counter.get_total_flops()
