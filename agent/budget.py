@@ -27,7 +27,7 @@ from tools.trial import Trial
 
 COLD_TRIAL_SECONDS = 120.0
 """What a region's first trials are expected to cost before one of them has finished: a cold
-worker's start and first compiles (93 s on an H200 for the Llama example's first trial)."""
+worker's start and first compiles (well over a minute for a full-size model's first trial)."""
 DEFAULT_TRIAL_SECONDS = 20.0
 """The least a first trial is assumed to cost: a cap below it starts nothing."""
 RECENT = 8

@@ -113,7 +113,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                                         _per_workload_ms(result, r.qualname)) for r in rows
                            if r.class_name not in tried]
             skipped = {s.class_name: s.reason for s in skips}
-            if not problems:  # issue 14: say why for every class the profile saw, not an empty list
+            if not problems:  # say why for every class the profile saw, not an empty list
                 skipped.update({v.class_name: f"not chosen: {v.reason}"
                                 for v in plan_regions(result, coverage, max_regions)
                                 if not v.chosen and v.class_name not in skipped})

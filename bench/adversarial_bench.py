@@ -1,4 +1,4 @@
-"""The verdict's acceptance run on a GPU (issues 12 and 13), in one device call.
+"""The verdict's acceptance run on a GPU, in one device call.
 
     python bench/adversarial_bench.py OUT_DIR [--cpu] [--lanes=N] [--subset] [--only=a,b] [--skip-honest] [--honest-tiny] [--skip-aa] [--skip-tune]
 

@@ -1,4 +1,4 @@
-"""GPU acceptance for the ground floor and the sandbox (issues 2 and 3), in one device call.
+"""GPU acceptance for the ground floor and the sandbox, in one device call.
 
     python bench/gpu_acceptance.py OUT_DIR
 

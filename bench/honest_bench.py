@@ -1,4 +1,4 @@
-"""No false positives (issue 12): a region's own forward, plain-torch rewrites of it, and the
+"""No false positives: a region's own forward, plain-torch rewrites of it, and the
 whole model's own forward must all be `ok`, with timing on.
 
     python bench/honest_bench.py [--cpu] [--tiny] [--only=Conv2d,LayerNorm]

@@ -1,4 +1,4 @@
-"""The integrity check against torch.compile on this torch (issue 12, item 4): candidate
+"""The integrity check against torch.compile on this torch: candidate
 workers start without torch._dynamo, so a candidate's torch.compile is the first to import it;
 the wrappers that import installs must pass, and lookalikes of them must not.
 

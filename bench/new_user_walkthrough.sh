@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A new user's evening and morning, on a fresh clone (issue 16): the README's first command,
+# A new user's evening and morning, on a fresh clone: the README's first command,
 # a nohup'd tune, kill -9, resume, apply, and the patched model run. CPU is enough.
 #   bench/new_user_walkthrough.sh [WORK_DIR]
 set -uo pipefail

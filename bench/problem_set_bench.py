@@ -1,4 +1,4 @@
-"""Models nobody here wrote, end to end on one device (issue 14): tune each model file, then time
+"""Models nobody here wrote, end to end on one device: tune each model file, then time
 the tuned model against eager and torch.compile's default mode side by side.
 
     python bench/problem_set_bench.py OUT_DIR MODEL.py [MODEL.py ...] [--candidates N] [--gpu-hours H]

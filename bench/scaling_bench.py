@@ -1,4 +1,4 @@
-"""Parallel scaling of the search on 1, 2, 4 and 8 GPUs of one host (issue 8), from real `agent tune` runs.
+"""Parallel scaling of the search on 1, 2, 4 and 8 GPUs of one host, from real `agent tune` runs.
 
     python bench/scaling_bench.py OUT_DIR [--gpus 1,2,4,8] [--gpu-hours H] [--from-run RUN] [-- extra agent tune flags]
     python bench/scaling_bench.py OUT_DIR --simulate-cpu --gpus 1,2 --gpu-hours 0.02   (the machinery only, no GPU)

@@ -1,4 +1,4 @@
-"""Does the search fill its budget, keep the GPU busy, and find RMSNorm's win every time? (issue 15)
+"""Does the search fill its budget, keep the GPU busy, and find RMSNorm's win every time?
 
     python bench/search_bench.py [--gpu-hours 0.1] [--repeat 3] [--cpu] [--out DIR] [-- extra agent tune flags]
 

@@ -1,4 +1,4 @@
-"""The tuned example against eager and every torch.compile mode on served traffic (issue 17).
+"""The tuned example against eager and every torch.compile mode on served traffic.
 
     python bench/traffic_bench.py OUT_DIR [--trace examples/traces/agent.jsonl] [--gpu-hours 0.03]
         [--regions LlamaAttention,LlamaMLP] [--modes torch.compile,max-autotune-no-cudagraphs,reduce-overhead]

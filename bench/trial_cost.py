@@ -1,4 +1,4 @@
-"""What one trial costs, phase by phase, at the model's real sizes (issue 26).
+"""What one trial costs, phase by phase, at the model's real sizes.
 
     python bench/trial_cost.py [--model examples/llama.py] [--device auto|cpu|cuda] [--trials 3]
                                [--regions A,B] [--template] [--no-time] [--run runs/<run>]

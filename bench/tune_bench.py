@@ -1,4 +1,4 @@
-"""The search loop's own efficiency on a GPU (issue 4), from real `agent tune` runs.
+"""The search loop's own efficiency on a GPU, from real `agent tune` runs.
 
     python bench/tune_bench.py OUT_DIR [--gpu-hours H] [--workers 3,6] [-- extra agent tune flags]
     python bench/tune_bench.py OUT_DIR --analyze runs/<run>     (the same tables for a finished run)

@@ -43,8 +43,8 @@ def model_settings(env: dict[str, str]) -> dict[str, str]:
 def worker_env(base: dict[str, str], workdir: str, visible_device: str | None) -> dict[str, str]:
     env = {k: v for k, v in base.items() if ENV_ALLOW.match(k) and not SECRET_HINT.search(k)}
     env.update(HOME=workdir, TMPDIR=workdir, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",
-               # The worker's own: inductor otherwise derives one from the user name, and on the H200
-               # a torch.compile baseline met a /tmp/torchinductor_root it could not write.
+               # The worker's own: inductor otherwise derives one from the user name, a folder that
+               # another user (or the worker as `nobody`) may not be able to write.
                TORCHINDUCTOR_CACHE_DIR=os.path.join(workdir, "torchinductor"))
     if visible_device is None:
         env["CUDA_VISIBLE_DEVICES"] = ""

@@ -174,8 +174,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         _tamper(r)
         if k == 0 or p.is_whole_model:
             # A/A across the two processes: the original in the candidate's worker. A whole model
-            # gets one every round: its host-bound workloads move most from process to process
-            # (on the H200 one control saw the candidate's worker 27% slower on the same code).
+            # gets one every round: its host-bound workloads move most from process to process.
             ctl, _ = _batch(cand, {**req, "control": True}, lim.time_s)
             aa.append(timing.stats(_samples(ctl)).median_ms / max(timing.stats(base_runs[-1]).median_ms, 1e-9))
     base = timing.stats([x for run in base_runs for x in run])
@@ -227,8 +226,8 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             raise Refused("suspicious", f"the worker reported {len(samples)} timings for {reps} repetitions")
         kind = rc.header.get("timing_kind", "cpu")
         slack = CLAIM_ABS_MS.get(kind, 50.0) + 0.02 * wall_b
-        # Only a gross gap counts: host-bound runs of tiny models swing by half from run to run (on
-        # the H200 a 0.9 factor refused an honest whole model), and a reply without the run's work
+        # Only a gross gap counts: host-bound runs of tiny models swing by half from run to run (a
+        # tighter factor refuses honest whole models), and a reply without the run's work
         # cannot carry the checksums of outputs the tuner samples afterwards anyway.
         if wall_c < (0.5 if kind == "cuda" else 0.25) * harness - slack:
             raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than the harness's own "
@@ -245,13 +244,10 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
         if kind == "cuda" and claimed >= 0.1 * bound:
             # The events cover less than the tuner's clock saw: host work in every call (tiny
             # shapes, several launches, Python between kernels), work off the timed stream, or
-            # the harness's own jitter where it dwarfs the calls (a 0.2 ms decode call beside a
-            # fresh 460 MB KV cache drawn for every repetition). The events are not
-            # trusted, nor their shape: each call took what the clock saw per call (more than
-            # the events claimed, or this branch is not reached). Wall against wall, as before,
-            # counts the harness on both sides and squashes a small call's speedup toward 1x: on
-            # the H200 a 7.14x decode kernel came out of its trial with a band too wide to be a
-            # win, most likely from such rounds, and integration never tried it.
+            # the harness's own jitter where it dwarfs the calls). The events are not trusted, nor
+            # their shape: each call took what the clock saw per call (more than the events
+            # claimed, or this branch is not reached). Wall against wall would count the harness
+            # on both sides and squash a small call's speedup toward 1x.
             r.last_checksums = [float(x) for x in sums]
             r.phases["host_bound"] = min(r.phases.get("host_bound", 1.0), claimed / max(bound, 1e-9))
             return [bound / reps] * reps, bound / reps, lead
