@@ -219,7 +219,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     goes to runs/<run>/log.txt, and to stdout: a live table on a terminal, one line per trial
     otherwise."""
     _no_jail(no_jail)
-    if resume is not None:  # its integration runs the winners of every earlier session's planners
+    if resume is not None and model is None:  # its integration runs the winners of every earlier session's planners
         from agent.jobs import check_run_jail
         check_run_jail(resume)
     from agent.session import TuneRequest, tune_session

@@ -32,6 +32,8 @@ class Progress:
         self.max_candidates, self.gpu_hours = max_candidates, gpu_hours
         self.lines, self.interval = lines, interval
         self.budget = None
+        self.doing = ""
+        """A long phase after the search (integration), said by the periodic line instead of the trials."""
         self.count = 0
         self.last_line = time.monotonic()
         self.lock = threading.Lock()
@@ -98,6 +100,11 @@ class Progress:
     def note(self, text: str) -> None:
         self.write(f"note: {text}", to_lines=False)
 
+    def phase(self, text: str) -> None:
+        """A long phase begins (integration): said now, and by every periodic line until the end."""
+        self.doing = text
+        self.write(text)
+
     def write(self, text: str, to_lines: bool = True) -> None:
         line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n"
         with self.lock:
@@ -115,7 +122,7 @@ class Progress:
     def _tick(self) -> None:
         while not self.closed.wait(min(self.interval, 5.0)):
             if time.monotonic() - self.last_line >= self.interval:
-                self.write(f"running: {self.summary()}")
+                self.write(f"running: {self.doing}" if self.doing else f"running: {self.summary()}")
 
     def close(self, text: str = "") -> None:
         self.closed.set()

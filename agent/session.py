@@ -194,7 +194,11 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
     integration = None
     if req.integrate and not interrupted and seen.trials:
         try:
-            integration = _integrate(run, settings.devices, req.baselines, note)
+            progress.phase("integrating: the winners routed into the model and verified end to end, then every way "
+                           "of running it (eager, CUDA graph, each torch.compile mode with and without our kernels) "
+                           "compiled side by side and timed one by one")
+            integration = _integrate(run, settings.devices, req.baselines, note,
+                                     lambda line: progress.write(f"integration: {line}"))
         except KeyboardInterrupt:
             interrupted = True
             note("integration interrupted: the search's results are kept; run agent integrate RUN later")
@@ -218,7 +222,8 @@ def _timing_kind(problems, devices: str | None) -> str:
     return "cpu" if all(p.device == "cpu" for p in problems) and on_cpu else "cuda"  # cpu@a,cpu@b is the CPU too
 
 
-def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note: Callable[[str], None]):
+def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note: Callable[[str], None],
+               on_step: Callable[[str], None] = lambda line: None):
     """Integration after a search: the result, or one line saying why there is none (a search
     that found something must not end in a traceback because the end-to-end check could not run)."""
     from agent.integrate import IntegrationError, integrate
@@ -226,7 +231,7 @@ def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note
     on_gpu = (device or "").startswith("cuda") or (not device and cuda_run(run))
     want = on_gpu if baselines is None else baselines
     try:
-        return integrate(run, device, baselines=want)  # its notes are part of the result
+        return integrate(run, device, baselines=want, on_step=on_step)  # its notes are part of the result
     except (IntegrationError, UserError, ProblemError) as e:
         note(f"integration: {e}")
         return f"not integrated: {e}"

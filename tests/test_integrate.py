@@ -330,6 +330,10 @@ def test_tune_ends_with_integration(tmp_path):
     assert isinstance(integration, dict), integration
     assert integration["timing_kind"] == "cpu" and [w["name"] for w in integration["workloads"]] == ["rows8", "rows32"]
     assert (Path(summary["run"]) / "integration.json").is_file()
+    # The log says integration is running and how each step went, not only "running: N trials".
+    log = (Path(summary["run"]) / "log.txt").read_text()
+    assert "integrating: the winners routed into the model" in log
+    assert "integration: compiled tuned side by side" in log and "integration: tuned: ok" in log
 
 
 def test_generated_model_candidates_render_and_run_without_a_gpu(tmp_path):
