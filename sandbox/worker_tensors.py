@@ -74,6 +74,10 @@ class fill_sentinel:
                    aten.new_empty.default, aten.new_empty_strided.default}
 
         class FillEmpty(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                return False  # torch's default wraps the handler for dynamo, importing it (seconds)
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 if func in empties and isinstance(out, torch.Tensor) and out.numel():
