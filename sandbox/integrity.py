@@ -44,6 +44,13 @@ HARNESS_OPS = ("aten::clone", "aten::copy_", "aten::empty.memory_format", "aten:
                "aten::empty_like", "aten::fill_.Scalar", "aten::zero_", "aten::_to_copy", "aten::equal",
                "aten::roll", "aten::mul.Tensor", "aten::add.Tensor", "aten::randn", "aten::normal_",
                "aten::view", "aten::reshape", "aten::sub.Tensor", "aten::abs", "aten::max")
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::rsqrt",
+               "aten::pow.Tensor_Scalar", "aten::mean.dim", "aten::_softmax", "aten::silu", "aten::gelu",
+               "aten::native_layer_norm", "aten::convolution", "aten::_scaled_dot_product_flash_attention",
+               "aten::_scaled_dot_product_efficient_attention", "aten::scaled_dot_product_attention",
+               "aten::cat", "aten::mul.Tensor", "aten::add.Tensor", "aten::sum.dim_IntList")
+"""The aten ops regions compute with most, whose kernels a candidate must leave registered as they
+were. Kept here so the worker and its verification runs share it without importing each other."""
 
 
 def _spaces(classes: list[type]) -> dict[str, Any]:

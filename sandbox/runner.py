@@ -12,7 +12,6 @@ their winners, see agent/integrate.py).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import weakref
@@ -23,6 +22,7 @@ from typing import Any
 from sandbox import timed
 from sandbox.client import Reply, Worker, WorkerConfig
 from sandbox.reference import ReferenceWorker, register
+from sandbox.seeds import seed
 from tools import verify
 from tools.problem import Problem
 from tools.trial import Candidate, Status, Trial
@@ -69,10 +69,6 @@ SEED_SETS = 2
 original's answers to each are computed once and kept (a draw costs the reference worker the
 original's run on every input set; the answers never reach a candidate worker either way)."""
 _seed_sets: "weakref.WeakKeyDictionary[ReferenceWorker, dict[str, list]]" = weakref.WeakKeyDictionary()
-
-
-def seed() -> int:
-    return int.from_bytes(os.urandom(7), "little")
 
 
 class TrialRunner:

@@ -135,7 +135,7 @@ def _lead_ms(reply: "Reply", reps: int) -> float:
 
 
 def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_ms: float) -> WorkloadTiming:
-    from sandbox.runner import seed
+    from sandbox.seeds import seed
     lim, p = r.limits, lp.problem
     ref, cand = r.reference, r.worker
     n = _elements(lp, i)

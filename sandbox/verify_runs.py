@@ -36,7 +36,6 @@ LATE_THREAD_WAIT_S = 0.5
 
 def run(w: Any, req: dict) -> tuple[dict, Any]:
     torch = w.torch
-    from sandbox.worker import COMPUTE_OPS
     from tools.region import flatten
     c, p = w._loaded()
     fwd, module = c["forward"], c["module"]
@@ -114,7 +113,7 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
     if moved is not None:
         changed += [f"(perturbed copy) {n_}" for n_ in _module_changes(torch, T.perturbed(p["region"], int(req["perturb"]["seed"])), moved)]
     header = {"meta": meta, "params_changed": changed, "mutated": mutated, "late_writes": late,
-              "tampered": integrity.changed(w.snapshot, w.classes, list(COMPUTE_OPS))}
+              "tampered": integrity.changed(w.snapshot, w.classes, list(integrity.COMPUTE_OPS))}
     w.verified = (header, runs, post_inputs)
     return {}, None
 

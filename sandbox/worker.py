@@ -36,14 +36,10 @@ from typing import Any, Callable
 
 from sandbox import integrity, isolation, protocol
 from sandbox import worker_tensors as T
+from sandbox.integrity import COMPUTE_OPS
 
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "CUDA error", "misaligned address", "CUBLAS_STATUS_EXECUTION_FAILED", "HIP error")
-COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::rsqrt",
-               "aten::pow.Tensor_Scalar", "aten::mean.dim", "aten::_softmax", "aten::silu", "aten::gelu",
-               "aten::native_layer_norm", "aten::convolution", "aten::_scaled_dot_product_flash_attention",
-               "aten::_scaled_dot_product_efficient_attention", "aten::scaled_dot_product_attention",
-               "aten::cat", "aten::mul.Tensor", "aten::add.Tensor", "aten::sum.dim_IntList")
 
 
 class Failure(Exception):
