@@ -86,6 +86,8 @@ class TrialRunner:
         self.problems: dict[str, LoadedProblem] = {}
         self.worker_starts_seen = -1
         self.phases: dict[str, float] = {}
+        self.doing: tuple[str, str, float] | None = None
+        """(candidate, step, since when) while a trial runs: the progress line's 'now:'."""
         self._preloaded: _Preloaded | None = None
         self.verify_seeds: tuple[int, int] | None = None
         """Fresh-input and perturbation seeds to verify with (default: drawn per trial). Set for
@@ -125,6 +127,17 @@ class TrialRunner:
         return None
 
     # -- one trial ---------------------------------------------------------------------------
+    def step(self, what: str, candidate: Candidate | None = None) -> None:
+        """Say what this runner does now (a long compile or timing is visible while it lasts)."""
+        label = f"{candidate.region} {candidate.hash[:8]}" if candidate else (self.doing or ("", "", 0.0))[0]
+        self.doing = (label, what, time.monotonic())
+
+    def now(self) -> str | None:
+        """'LlamaAttention a84ba2fd compiling 25 s', or None when no trial runs."""
+        if (d := self.doing) is None:
+            return None
+        return f"{d[0]} {d[1]} {time.monotonic() - d[2]:.0f} s"
+
     def preload(self, candidate: Candidate) -> None:
         """Start the worker and load the candidate (import, first call per shape: its compile)
         now; `run` of the same candidate goes on from there. Several runners' preloads can
@@ -132,7 +145,9 @@ class TrialRunner:
         t0, started = time.monotonic(), time.time()
         self.phases, self.members_before = {}, None
         lp = self.problems.get(candidate.region)
+        self.step("loading", candidate)
         failed = self._load(candidate, lp) if lp is not None else None
+        self.doing = None
         self._preloaded = _Preloaded(candidate.hash, self.worker.starts, failed, dict(self.phases),
                                      self.members_before, time.monotonic() - t0, started)
 
@@ -144,9 +159,14 @@ class TrialRunner:
         t0, started = time.monotonic(), pre.started_at if pre else time.time()
         self.phases = dict(pre.phases) if pre else {}
         self.members_before = pre.members_before if pre else None
-        trial = self._run(candidate, do_time, pre)
-        if trial.status is Status.ok and self.worker.alive:
-            self._probe_compiled(trial)
+        self.step("loading", candidate)
+        try:
+            trial = self._run(candidate, do_time, pre)
+            if trial.status is Status.ok and self.worker.alive:
+                self.step("probing torch.compile")
+                self._probe_compiled(trial)
+        finally:
+            self.doing = None
         lp = self.problems.get(candidate.region)
         if lp is not None and lp.problem.constant_output is not None and trial.status is Status.ok:
             trial.flags.append(f"the region's output is constant ({lp.problem.constant_output:g} everywhere on its "
@@ -234,6 +254,7 @@ class TrialRunner:
         if self.worker.alive and self.worker.starts == self.worker_starts_seen:
             bad = self.reference.ensure()
         else:  # both workers' starts (seconds of imports each) overlap
+            self.step("starting its worker")
             started: list[Reply | None] = []
             pending = threading.Thread(target=lambda: started.append(self._ensure_worker()), daemon=True)
             pending.start()
@@ -248,6 +269,7 @@ class TrialRunner:
         if drift := self.reference.problems[c.region].drift:
             return self._fail(c, lp, Reply(False, status="lost", error=drift))
         lim = self.limits
+        self.step("importing and compiling")
         reply = self.worker.request({"op": "load", "problem": c.region, "source": c.source, "hash": c.hash},
                                     timeout=lim.compile_s)
         self.phases["load"] = reply.seconds
@@ -266,7 +288,9 @@ class TrialRunner:
         perturb = {"set": _smallest_set(p), "seed": s_perturb}
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
         t_wait = time.monotonic()
+        self.step("waiting for the device")
         with self.device_lock:
+            self.step("verifying")
             t_refs = time.monotonic()
             self.phases["lock_wait"] = self.phases.get("lock_wait", 0.0) + t_refs - t_wait
             refs = self.reference.refs(c.region, fresh, perturb, lim.run_s, keep=True)

@@ -93,7 +93,9 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
     out = []
     for i, w in enumerate(lp.problem.workloads):
         t0 = time.monotonic()
-        with r.device_lock, r.quiet():  # nothing of a sibling worker runs beside a timing
+        r.step("waiting for the device")
+        with r.device_lock, r.quiet():
+            r.step(f"timing {w.name}")  # nothing of a sibling worker runs beside a timing
             out.append(_workload(r, lp, i, w.name, budget_ms))
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
     return out

@@ -96,3 +96,38 @@ def test_the_bench_prints_each_phase_and_trials_per_device_hour(tmp_path):
                 "device s / trial", "trials / device-hour (CPU)"):
         assert f"\n{row} " in table, (row, table)
     assert "status" in table and " ok" in table.splitlines()[-1]
+
+
+SLOW_IMPORT = """import time
+time.sleep(4)  # a long compile, as the tuner sees it
+def forward(module, *args, **kwargs):
+    return type(module).forward(module, *args, **kwargs)
+"""
+
+
+def test_a_running_trial_says_what_it_is_doing(frozen_run):
+    """The progress line's 'now:': a trial stuck in its compile says so while it lasts."""
+    import threading
+    import time
+
+    from sandbox.runner import Limits, TrialRunner
+    from tools.trial import Candidate
+    r = TrialRunner("cpu", Limits(compile_s=60, run_s=30, time_s=60, budget_ms=50, max_reps=5))
+    try:
+        r.add_problem(frozen_run / "LlamaRMSNorm")
+        assert r.now() is None
+        c = Candidate(region="LlamaRMSNorm", source=SLOW_IMPORT, planner="manual")
+        done = []
+        t = threading.Thread(target=lambda: done.append(r.run(c, do_time=False)))
+        t.start()
+        seen = set()
+        while t.is_alive():
+            if (now := r.now()) is not None:
+                assert now.startswith(f"LlamaRMSNorm {c.hash[:8]} ")
+                seen.add(now.split(" ", 2)[2].rsplit(" ", 2)[0])
+            time.sleep(0.05)
+        assert done[0].status.value == "ok", done[0].reason
+        assert "importing and compiling" in seen and "verifying" in seen, seen
+        assert r.now() is None
+    finally:
+        r.close()
