@@ -20,11 +20,9 @@ from typing import Callable, Iterator
 
 from agent.budget import Budget
 from agent.feed import Feed, results_of
-from sandbox.client import WorkerConfig
-from sandbox.device_lock import DeviceLock
-from sandbox.reference import ReferenceWorker
+from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner
-from tools.trial import Candidate, Status, Trial
+from tools.trial import Candidate, Trial
 
 BUSY_MEMORY_BYTES = 2 << 30
 OWN_CONTEXT_BYTES = 1 << 30
@@ -105,38 +103,23 @@ class LocalExecutor:
         """`workers_per_device` (default: `default_workers_per_gpu` on GPUs, 1 on the CPU): while
         one worker verifies or times on the device (under the device's lock), the others import
         and compile their next candidates and the tuner judges the last outputs, so the GPU does
-        not wait. Each device also gets one reference worker, shared by its runners, which never
-        runs candidate code (baselines, references for fresh inputs)."""
-        self.slots, self.runners, self.lanes = slots, [], []
-        locks = {s.device: DeviceLock(s.device) for s in slots if s.device != "cpu"}
-        self.references = {s.device: ReferenceWorker(WorkerConfig(device=s.device, memory_gb=memory_gb))
-                           for s in slots}
+        not wait. One `DevicePool` per device (slots naming one device share it, and its reference
+        worker and charging); each of its workers is a lane, fed with its slot's generation."""
+        self.slots, self.lanes = slots, []
         gpus = len([s for s in slots if s.device != "cpu"])
+        workers: dict[str, int] = {}
         for s in slots:
             n = (workers_per_device or default_workers_per_gpu(gpus)) if s.device != "cpu" else 1
-            for _ in range(n):
-                r = TrialRunner(s.device, limits, WorkerConfig(device=s.device, memory_gb=memory_gb),
-                                device_lock=locks.get(s.device), reference=self.references[s.device])
-                for d in problem_dirs:
-                    r.add_problem(d)
-                self.runners.append(r)
-                self.lanes.append(s)
-        for s in slots:  # the workers of one device stop while one of them times (TrialRunner.quiet)
-            group = [r for r, lane in zip(self.runners, self.lanes) if lane.device == s.device]
-            for r in group:
-                r.siblings = group
+            workers[s.device] = workers.get(s.device, 0) + n
+            self.lanes += [s] * n
+        self.pools = {d: DevicePool(d, problem_dirs, workers=n, limits=limits, memory_gb=memory_gb)
+                      for d, n in workers.items()}
         self.tokens = itertools.count()
-        self.charged_until: dict[str, float] = {}
-        self.charge_lock = threading.Lock()
 
-    def _charge(self, device: str, trial: Trial) -> float:
-        """Device seconds this trial adds: the part of its wall time not already charged to a
-        sibling worker on the same device, so a device costs its wall time, never more."""
-        end, start = trial.finished_at, trial.finished_at - trial.gpu_seconds
-        with self.charge_lock:
-            done = self.charged_until.get(device, 0.0)
-            self.charged_until[device] = max(done, end)
-            return max(0.0, end - max(start, done))
+    @property
+    def runners(self) -> list[TrialRunner]:
+        """Every sandbox runner, one per lane (the loop sizes its batches by them)."""
+        return [r for pool in self.pools.values() for r in pool.runners]
 
     @property
     def generations(self) -> list[str]:
@@ -150,7 +133,8 @@ class LocalExecutor:
         `should_stop`. `on_start(candidate, generation)` is called from a lane's thread."""
         results: queue.Queue = queue.Queue()
 
-        def work(slot: Slot, runner: TrialRunner) -> None:
+        def work(slot: Slot) -> None:
+            pool = self.pools[slot.device]
             try:
                 while not should_stop() and not budget.exhausted and not feed.drained(slot.generation):
                     job = feed.take(slot.generation, timeout=0.1)
@@ -163,29 +147,21 @@ class LocalExecutor:
                             return
                         budget.wait(0.5)  # a sibling's trial may end sooner than reserved
                     on_start(cand, gen)
-                    try:
-                        trial = runner.run(cand, candidate_path=path)
-                    except Exception as e:  # a harness bug costs this trial, not the night
-                        trial = Trial(region=cand.region, candidate_hash=cand.hash, status=Status.lost,
-                                      reason=f"harness error: {type(e).__name__}: {e}", device=slot.device)
-                    if should_stop():  # interrupted mid-trial: not a result, so resume runs it again
+                    trial = pool.run(cand, candidate_path=path, cancelled=should_stop)
+                    if trial is None:  # interrupted mid-trial: not a result, so resume runs it again
                         budget.cancel(token)
                         return
                     trial.generation = slot.generation
-                    trial.phases["wall"] = trial.gpu_seconds
-                    trial.gpu_seconds = self._charge(slot.device, trial)
                     budget.finish(token, trial)
                     results.put(trial)
             finally:
                 results.put(None)
 
-        threads = [threading.Thread(target=work, args=(s, r), daemon=True) for s, r in zip(self.lanes, self.runners)]
+        threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in self.lanes]
         for t in threads:
             t.start()
         yield from results_of(results, len(threads))
 
     def close(self) -> None:
-        for r in self.runners:
-            r.close()
-        for ref in self.references.values():
-            ref.close()
+        for pool in self.pools.values():
+            pool.close()

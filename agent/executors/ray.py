@@ -27,9 +27,9 @@ passes on one generation is run on every other target before the loop can keep i
 
 Isolation and verification
 --------------------------
-Each actor hosts `workers_per_device` `sandbox.runner.TrialRunner`s (on a GPU, as many as the
-local executor would start for the node's cores; 1 on the CPU), sharing one device lock as in
-the local executor: candidate code still runs only in a
+Each actor hosts a `sandbox.pool.DevicePool` of `workers_per_device` runners (on a GPU, as many
+as the local executor would start for the node's cores; 1 on the CPU), the same pool the local
+executor keeps per device: candidate code still runs only in a
 sandbox worker subprocess of the actor, with the same isolation. The verdict (tolerance,
 poisoned outputs, hashes, fresh inputs) is made by the TrialRunner in the actor process,
 which holds the frozen references and runs no candidate code; it is the same code and the

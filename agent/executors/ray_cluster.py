@@ -5,19 +5,17 @@ described in `agent.executors.ray`'s docstring."""
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.executors.local import workers_per_gpu
+from sandbox.pool import DevicePool
 from sandbox.runner import Limits
 from tools import seal
-from tools.trial import Candidate, Status, Trial
+from tools.trial import Candidate
 
 GEN_PREFIX = "gen:"
 ACCEL_PREFIX = "accelerator_type:"
@@ -137,15 +135,12 @@ def unpack_problems(packed: list[dict], root: Path) -> list[Path]:
 
 # -- the actor: one per device ------------------------------------------------------------------
 class TrialActor:
-    """One device of the cluster: `workers` sandbox workers sharing its lock. Runs no
-    candidate code itself; judges what its workers return, as the tuner does locally."""
+    """One device of the cluster: a `DevicePool` of `workers` sandbox workers sharing its lock.
+    Runs no candidate code itself; judges what its workers return, as the tuner does locally."""
 
     def __init__(self, generation: str, gpu: bool, workers: int, packed: list[dict], limits: Limits,
                  memory_gb: float):
         import ray
-        from sandbox.client import WorkerConfig
-        from sandbox.reference import ReferenceWorker
-        from sandbox.runner import TrialRunner
         self.generation = generation
         self.device = "cuda:0" if gpu else "cpu"  # Ray made this actor's GPU its cuda:0
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -154,72 +149,28 @@ class TrialActor:
         self.label = (f"cuda:{gpu_ids[0]}@{self.node_id[:8]}" if gpu_ids else
                       f"{self.device}@{self.node_id[:8]}" if gpu else f"cpu@{self.node_id[:8]}.{os.getpid()}")
         self.root = Path(tempfile.mkdtemp(prefix=f"nightshift-ray-{generation}-"))
-        folders = unpack_problems(packed, self.root)
-        from sandbox.device_lock import DeviceLock
-        lock = DeviceLock(self.device) if gpu else None  # Ray's CUDA_VISIBLE_DEVICES: the physical GPU
-        self.reference = ReferenceWorker(WorkerConfig(device=self.device, memory_gb=memory_gb))
-        self.runners = []
-        for _ in range(workers):
-            r = TrialRunner(self.device, limits, WorkerConfig(device=self.device, memory_gb=memory_gb),
-                            device_lock=lock, reference=self.reference)
-            for f in folders:
-                r.add_problem(f)
-            self.runners.append(r)
-        for r in self.runners:  # one device: the others stop while one times (TrialRunner.quiet)
-            r.siblings = self.runners
-        self.busy: set[int] = set()
-        self.started: dict[int, tuple[str, float]] = {}
-        self.free: queue.Queue = queue.Queue()
-        for r in self.runners:
-            self.free.put(r)
-        self.charged_until = 0.0
-        self.charge_lock = threading.Lock()
+        # On a GPU the pool's DeviceLock names the physical GPU (through Ray's CUDA_VISIBLE_DEVICES).
+        self.pool = DevicePool(self.device, unpack_problems(packed, self.root), workers=workers, limits=limits,
+                               memory_gb=memory_gb, label=self.label)
 
     def ready(self) -> dict:
         import socket
         return {"node_id": self.node_id, "pid": os.getpid(), "host": socket.gethostname(), "label": self.label,
-                "generation": self.generation, "workers": len(self.runners)}
+                "generation": self.generation, "workers": len(self.pool.runners)}
 
     def running(self) -> dict[str, float]:
         """Candidates running on this device now: hash -> seconds since their trial started."""
-        now = time.monotonic()
-        return {h: now - t for h, t in list(self.started.values())}
+        return self.pool.running()
 
     def run(self, candidate_json: str, candidate_path: str) -> str:
-        cand = Candidate.model_validate_json(candidate_json)
-        runner = self.free.get()
-        self.busy.add(id(runner))
-        self.started[id(runner)] = (cand.hash, time.monotonic())
-        try:
-            trial = runner.run(cand, candidate_path=candidate_path)
-        except Exception as e:  # a harness bug costs this trial, not the night
-            trial = Trial(region=cand.region, candidate_hash=cand.hash, status=Status.lost,
-                          reason=f"harness error: {type(e).__name__}: {e}", device=self.device)
-        finally:
-            self.busy.discard(id(runner))
-            self.started.pop(id(runner), None)
-            self.free.put(runner)
+        trial = self.pool.run(Candidate.model_validate_json(candidate_json), candidate_path=candidate_path)
         trial.generation = self.generation
-        trial.device = self.label
-        trial.phases["wall"] = trial.gpu_seconds
-        trial.gpu_seconds = self._charge(trial)
         return trial.model_dump_json()
-
-    def _charge(self, trial: Trial) -> float:
-        """This device's seconds not already charged to a sibling worker (as LocalExecutor)."""
-        end, start = trial.finished_at, trial.finished_at - trial.gpu_seconds
-        with self.charge_lock:
-            done, self.charged_until = self.charged_until, max(self.charged_until, end)
-            return max(0.0, end - max(start, done))
 
     def interrupt(self) -> None:
         """Stop the trials running now (the tuner was interrupted); idle workers stay up."""
-        for r in self.runners:
-            if id(r) in self.busy:
-                r.worker.kill()
+        self.pool.interrupt()
 
     def close(self) -> None:
-        for r in self.runners:
-            r.close()
-        self.reference.close()
+        self.pool.close()
         shutil.rmtree(self.root, ignore_errors=True)

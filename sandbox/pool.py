@@ -1,0 +1,125 @@
+"""A device pool: the one way in for running trials on one device.
+
+It owns what the runners of one device share: the device's lock (on a GPU a `DeviceLock`, held
+across every tuner of the host while one worker verifies or times; none on the CPU, where lanes
+time side by side), one reference worker (which never runs candidate code), and `workers`
+`TrialRunner`s, siblings of each other, so the others stop while one times (`TrialRunner.quiet`).
+`run` takes a free runner and returns a `Trial`, always: a harness error costs that trial
+(status `lost`), not the night. Each trial is charged the device seconds no sibling was charged
+already, so a device costs its wall time, never more.
+
+The local executor keeps one pool per device, the Ray executor's actor one per GPU, `agent try`
+one for its one trial; integration runs its ways of running the model side by side in more of
+the pool's runners (`extra_runners`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from sandbox.client import WorkerConfig
+from sandbox.device_lock import DeviceLock
+from sandbox.reference import ReferenceWorker
+from sandbox.runner import Limits, TrialRunner
+from tools.trial import Candidate, Status, Trial
+
+
+class DevicePool:
+    def __init__(self, device: str, problem_dirs: Iterable[Path] = (), *, workers: int = 1,
+                 limits: Limits | None = None, memory_gb: float = 8.0, label: str | None = None,
+                 cpu_lock: bool = False):
+        """`device`: `cpu` or `cuda:N`. `label` names the device in trials (default: `device`).
+        `cpu_lock`: on the CPU too, one worker verifies or times at a time and the others stop
+        meanwhile (integration's ways of running the model); CPU lanes of the search do not wait
+        for each other."""
+        self.device, self.label = device, label or device
+        self.limits, self.memory_gb = limits or Limits(), memory_gb
+        self.problem_dirs = [Path(d) for d in problem_dirs]
+        self.lock = DeviceLock(device) if device != "cpu" else threading.Lock() if cpu_lock else None
+        self.reference = ReferenceWorker(WorkerConfig(device=device, memory_gb=memory_gb))
+        self.runners: list[TrialRunner] = []
+        """Every runner of the pool; also each runner's `siblings` (one list, so a runner added
+        later is every runner's sibling at once)."""
+        for _ in range(workers):
+            self.runners.append(self._runner())
+        self.free: queue.Queue[TrialRunner] = queue.Queue()
+        for r in self.runners:
+            self.free.put(r)
+        self.busy: dict[int, tuple[str, float]] = {}
+        """id(runner) -> (candidate hash, monotonic start) of the trials running now."""
+        self.charged_until = 0.0
+        self.charge_lock = threading.Lock()
+
+    def _runner(self) -> TrialRunner:
+        r = TrialRunner(self.device, self.limits, WorkerConfig(device=self.device, memory_gb=self.memory_gb),
+                        device_lock=self.lock, reference=self.reference)
+        for d in self.problem_dirs:
+            r.add_problem(d)
+        r.siblings = self.runners
+        return r
+
+    # -- running -----------------------------------------------------------------------------
+    def run(self, candidate: Candidate, candidate_path: str = "", *,
+            cancelled: Callable[[], bool] | None = None, **kwargs: Any) -> Trial | None:
+        """The candidate's trial in the next free runner (`kwargs`: `TrialRunner.run`'s), its
+        wall time in `phases["wall"]` and the device seconds it adds in `gpu_seconds`. None, and
+        nothing charged, when `cancelled()` says so once it ends: an interrupted trial is not a
+        result, so a resumed run tries it again."""
+        runner = self.free.get()
+        self.busy[id(runner)] = (candidate.hash, time.monotonic())
+        try:
+            trial = runner.run(candidate, candidate_path=candidate_path, **kwargs)
+        except Exception as e:  # a harness bug costs this trial, not the night
+            trial = Trial(region=candidate.region, candidate_hash=candidate.hash, status=Status.lost,
+                          reason=f"harness error: {type(e).__name__}: {e}", device=self.label)
+        finally:
+            self.busy.pop(id(runner), None)
+            self.free.put(runner)
+        if cancelled is not None and cancelled():
+            return None
+        trial.device = self.label
+        trial.phases["wall"] = trial.gpu_seconds
+        trial.gpu_seconds = self._charge(trial)
+        return trial
+
+    def _charge(self, trial: Trial) -> float:
+        """Device seconds this trial adds: the part of its wall time not already charged to a
+        sibling worker on this device, so a device costs its wall time, never more."""
+        end, start = trial.finished_at, trial.finished_at - trial.gpu_seconds
+        with self.charge_lock:
+            done, self.charged_until = self.charged_until, max(self.charged_until, end)
+            return max(0.0, end - max(start, done))
+
+    def running(self) -> dict[str, float]:
+        """Candidates running on this device now: hash -> seconds since their trial started."""
+        now = time.monotonic()
+        return {h: now - t for h, t in list(self.busy.values())}
+
+    def interrupt(self) -> None:
+        """Stop the trials running now (the tuner was interrupted); idle workers stay up."""
+        for r in list(self.runners):
+            if id(r) in self.busy:
+                r.worker.kill()
+
+    @contextlib.contextmanager
+    def extra_runners(self, n: int) -> Iterator[list[TrialRunner]]:
+        """`n` more runners on this device while the block runs: the pool's problems, lock and
+        reference worker, siblings of its runners; never handed out by `run`. Closed after it."""
+        extra = [self._runner() for _ in range(n)]
+        self.runners.extend(extra)
+        try:
+            yield extra
+        finally:
+            for r in extra:
+                self.runners.remove(r)
+                r.close()
+
+    def close(self) -> None:
+        for r in list(self.runners):
+            r.close()
+        self.reference.close()

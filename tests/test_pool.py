@@ -1,0 +1,167 @@
+"""The device pool (sandbox/pool.py), the one way in for trials on one device: its runners share
+one lock and one reference worker as siblings, a harness error costs one trial, a device is
+charged its wall time and never more, an interrupt stops only the trial running, and close()
+leaves no worker behind.
+
+On the CPU with `tests/models/tiny_rmsnorm.py` (one RMSNorm region, 8x64 inputs) and pure torch
+candidates, untimed, so a trial costs a worker start and a fraction of a second.
+"""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox import client
+from sandbox.device_lock import DeviceLock
+from sandbox.pool import DevicePool
+from sandbox.runner import Limits
+from tools import verify
+from tools.trial import Candidate, Status
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "models" / "tiny_rmsnorm.py"
+REGION = "RMSNorm"
+LIMITS = Limits(compile_s=60, run_s=30, time_s=60, budget_ms=50, max_reps=20)
+
+RIGHT = """import torch
+def forward(module, x):
+    xf = x.float()
+    return module.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
+"""
+SLOW_IMPORT = "import time\ntime.sleep(60)\n" + RIGHT
+
+
+@pytest.fixture(scope="module")
+def problem_dir(tmp_path_factory) -> Path:
+    from agent.jobs import profile_and_freeze
+    res = profile_and_freeze(TINY, "cpu", None, tmp_path_factory.mktemp("pool-runs"))
+    return res.run.problems_dir / REGION
+
+
+def candidate(source: str = RIGHT, variant: int = 0) -> Candidate:
+    return Candidate(region=REGION, source=source + f"# variant {variant}\n", planner="stub")
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+def test_runners_of_one_pool_are_siblings_sharing_one_lock_and_one_reference(problem_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("NIGHTSHIFT_LOCK_DIR", str(tmp_path / "locks"))
+    gpu = DevicePool("cuda:0", [problem_dir], workers=3, limits=LIMITS)  # no worker starts before a trial
+    cpu = DevicePool("cpu", [problem_dir], workers=2, limits=LIMITS)
+    ways = DevicePool("cpu", [problem_dir], limits=LIMITS, cpu_lock=True)
+    try:
+        assert isinstance(gpu.lock, DeviceLock) and len(gpu.runners) == 3
+        for pool in (gpu, cpu, ways):
+            for r in pool.runners:
+                assert r.siblings is pool.runners and r.reference is pool.reference and not r.own_reference
+                assert set(r.problems) == {REGION} and r.limits is LIMITS
+        assert all(r.device_lock is gpu.lock for r in gpu.runners)
+        # CPU lanes time side by side: no lock between them, so none stops another (TrialRunner.quiet)
+        assert cpu.lock is None and cpu.runners[0].device_lock is not cpu.runners[1].device_lock
+        with ways.extra_runners(2) as extra:
+            assert ways.runners == [ways.runners[0], *extra]
+            assert all(r.device_lock is ways.lock and r.reference is ways.reference for r in extra)
+            assert all(r.siblings is ways.runners for r in ways.runners)
+        assert len(ways.runners) == 1 and ways.free.qsize() == 1  # extra runners are never handed out
+    finally:
+        for pool in (gpu, cpu, ways):
+            pool.close()
+
+
+def test_a_harness_error_is_a_lost_trial_and_the_pool_keeps_working(problem_dir, monkeypatch):
+    pool = DevicePool("cpu", [problem_dir], limits=LIMITS, label="cpu@here")
+    judge = verify.judge
+    calls = []
+
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a bug in the judge")
+        return judge(*args, **kwargs)
+    monkeypatch.setattr(verify, "judge", broken_once)
+    try:
+        lost = pool.run(candidate(), do_time=False)
+        assert lost.status is Status.lost and lost.reason == "harness error: KeyError: 'a bug in the judge'"
+        assert lost.device == "cpu@here" and lost.gpu_seconds == 0.0
+        assert pool.free.qsize() == 1 and pool.running() == {}  # its runner is free again
+        ok = pool.run(candidate(variant=1), candidate_path="c.py", do_time=False)
+        assert ok.status is Status.ok, ok.reason
+        assert ok.device == "cpu@here" and ok.candidate_path == "c.py" and not ok.timings
+        assert ok.phases["wall"] >= ok.gpu_seconds > 0
+    finally:
+        pool.close()
+
+
+def test_overlapping_trials_on_one_device_are_charged_no_more_than_its_wall_time(problem_dir):
+    pool = DevicePool("cpu", [problem_dir], workers=2, limits=LIMITS)
+    trials = []
+    try:
+        t0 = time.time()
+        lanes = [threading.Thread(target=lambda i=i: trials.append(pool.run(candidate(variant=i), do_time=False)))
+                 for i in range(2)]
+        for t in lanes:
+            t.start()
+        for t in lanes:
+            t.join()
+        elapsed = time.time() - t0
+    finally:
+        pool.close()
+    assert [t.status for t in trials] == [Status.ok, Status.ok], [t.reason for t in trials]
+    walls = [t.phases["wall"] for t in trials]
+    charged = [t.gpu_seconds for t in trials]
+    assert all(0 <= c <= w + 1e-6 for c, w in zip(charged, walls))
+    assert sum(charged) <= elapsed + 1e-3  # both workers started at once: their trials overlapped
+    assert sum(charged) < sum(walls)
+
+
+def test_interrupt_stops_the_running_trial_and_an_interrupted_trial_is_not_charged(problem_dir):
+    pool = DevicePool("cpu", [problem_dir], limits=LIMITS)
+    slow = candidate(SLOW_IMPORT)
+    out = []
+    try:
+        lane = threading.Thread(target=lambda: out.append(pool.run(slow, cancelled=lambda: True)))
+        t0 = time.monotonic()
+        lane.start()
+        while slow.hash not in pool.running() and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        assert slow.hash in pool.running()
+        time.sleep(1.0)  # into its import
+        pool.interrupt()
+        lane.join(timeout=30)
+        assert not lane.is_alive() and time.monotonic() - t0 < 40  # not the 60 s the candidate sleeps
+        assert out == [None] and pool.charged_until == 0.0 and pool.running() == {}
+        after = pool.run(candidate(), do_time=False)  # a fresh worker serves the next trial
+        assert after.status is Status.ok, after.reason
+    finally:
+        pool.close()
+
+
+def test_every_worker_is_seen_by_stop_all_and_close_leaves_none_alive(problem_dir):
+    pool = DevicePool("cpu", [problem_dir], workers=2, limits=LIMITS)
+    try:
+        lanes = [threading.Thread(target=pool.run, args=(candidate(variant=i),), kwargs={"do_time": False})
+                 for i in range(2)]
+        for t in lanes:
+            t.start()
+        for t in lanes:
+            t.join()
+        workers = [r.worker for r in pool.runners] + [pool.reference.worker]
+        assert all(w.alive for w in workers)
+        pids = [w.proc.pid for w in workers]
+        assert all(w in client._LIVE for w in workers)  # what a signal's stop_all kills
+    finally:
+        pool.close()
+    assert not any(w.alive for w in workers)
+    deadline = time.monotonic() + 10
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
