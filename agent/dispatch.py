@@ -1,0 +1,98 @@
+"""Per input shape, the fastest kept candidate: one region candidate built from several.
+
+The search ranks a region's candidates by their weighted speedup over every workload, so one
+winner serves every shape: a decode kernel that is 12x on decode and no faster on prefill loses
+to a prefill kernel that is 1.5x on prefill and 2x on decode. Here each workload gets the kept
+candidate that was fastest on it beyond its noise band (on every target generation), or the
+original where none was, and `prompts/kernels/dispatch_by_shape.py.j2` routes each call by its
+input shapes. Every kernel in it passed verification on every workload; integration verifies and
+times the combination end to end like any other candidate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent.history import CandidateRecord
+from agent.prompting import render_code
+from tools.problem import Problem
+
+
+def _shapes(x: Any, out: list[str]) -> list[str]:
+    if isinstance(x, torch.Tensor):
+        out.append(f"{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}")
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _shapes(v, out)
+    elif isinstance(x, dict):
+        for k in sorted(x, key=str):
+            _shapes(x[k], out)
+    return out
+
+
+def shape_key(args: Any, kwargs: Any) -> str:
+    """The key the dispatcher computes per call (the template's `_key`, kept the same by a test)."""
+    return "|".join(_shapes(kwargs, _shapes(args, [])))
+
+
+@dataclass
+class ShapeChoice:
+    workload: str
+    key: str
+    record: CandidateRecord | None
+    """The fastest kept candidate on this workload beyond its band; None: the original."""
+    speedup: float = 1.0
+
+
+def per_workload(problem: Problem, records: list[CandidateRecord], generations: list[str],
+                 keys: list[str]) -> list[ShapeChoice]:
+    """Per workload (key i is input set i's shape key), the candidate to run there."""
+    out = []
+    for i, w in enumerate(problem.workloads):
+        best, best_s = None, 1.0
+        for rec in records:
+            if not rec.kept(generations):
+                continue
+            got = [next((t for t in rec.by_generation[g].timings if t.workload == w.name), None) for g in generations]
+            if any(t is None or t.verdict != "faster" for t in got):
+                continue
+            s = min(t.speedup for t in got)
+            if s > best_s:
+                best, best_s = rec, s
+        out.append(ShapeChoice(w.name, keys[i], best, best_s))
+    return out
+
+
+def worth_it(choices: list[ShapeChoice], single: CandidateRecord | None) -> bool:
+    """Whether dispatching by shape differs from running `single` (the region's winner) everywhere."""
+    return any(c.record is not single for c in choices) and any(c.record is not None for c in choices)
+
+
+def input_keys(problem: Problem, folder: Path) -> list[str]:
+    inputs, _, _ = problem.load_tensors(folder, inputs=True, state=False)
+    return [shape_key(list(s["args"]), dict(s["kwargs"])) for s in inputs]
+
+
+def dispatch_source(choices: list[ShapeChoice], sources: dict[str, str], default: CandidateRecord | None) -> str:
+    """The dispatcher's source. `sources`: candidate hash -> its source, for every chosen record."""
+    used = list(dict.fromkeys([c.record.candidate_hash for c in choices if c.record is not None]
+                              + ([default.candidate_hash] if default is not None else [])))
+    index = {h: i for i, h in enumerate(used)}
+    table: dict[str, int | None] = {}
+    for c in choices:
+        pick = index[c.record.candidate_hash] if c.record is not None else None
+        if table.get(c.key, pick) != pick:  # two workloads of one shape disagree: the default serves both
+            pick = index[default.candidate_hash] if default is not None else None
+        table[c.key] = pick
+    return render_code("kernels/dispatch_by_shape.py.j2", kernels=[sources[h] for h in used],
+                       table=[{"key": k, "kernel": v} for k, v in table.items()],
+                       default=index[default.candidate_hash] if default is not None else None)
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
