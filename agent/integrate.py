@@ -30,8 +30,7 @@ from agent.jobs import UserError, resolve_device
 from agent.loop import load_history
 from agent.prompting import render_code
 from agent.report.numbers import standings
-from sandbox.client import WorkerConfig
-from sandbox.device_lock import DeviceLock
+from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
 from tools.capture import MODEL_DIR
 from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
@@ -146,11 +145,10 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     plans.sort(key=lambda x: (-x[0], -x[1]))
 
     lim = limits or Limits(compile_s=900, run_s=900, time_s=600)
-    # Held by whichever worker verifies or times; the others only compile. On a GPU, across
-    # every tuner of the host too (sandbox/device_lock.py).
-    lock = DeviceLock(worker_device) if dev.type == "cuda" else threading.Lock()
-    runner = TrialRunner(worker_device, lim, WorkerConfig(device=worker_device, memory_gb=memory_gb),
-                         device_lock=lock)
+    # One worker verifies or times at a time, on the CPU too; the others only compile. On a GPU,
+    # across every tuner of the host too (sandbox/device_lock.py).
+    pool = DevicePool(worker_device, [folder], limits=lim, memory_gb=memory_gb, cpu_lock=True)
+    runner = pool.runners[0]
     accepted: list[tuple[Problem, CandidateRecord, str]] = []
     # One draw of fresh inputs and perturbed parameters for every check of the model here (each
     # winner routed in, then every way of running it): each worker sees the seeds only when it is
@@ -158,7 +156,6 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     # (with KV caches among the outputs, gigabytes per input set).
     draw = (seed(), seed())
     try:
-        runner.add_problem(folder)
         runner.verify_seeds = draw
         for _, _, p, wins, gens in plans:
             for rec in wins[:max_tries]:
@@ -189,7 +186,7 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
         elif dev.type == "cpu":
             note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
         runner.worker.kill()
-        trials = _side_by_side(runner, folder, ways, lock, on_step, draw)
+        trials = _side_by_side(pool, ways, on_step, draw)
         final = trials["tuned"]
         if final.status.value != "ok":
             raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
@@ -227,7 +224,7 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
                 row.baseline_speedups[name] = t.speedup if t else None
         hello = dict(runner.worker.hello or runner.reference.hello)
     finally:
-        runner.close()
+        pool.close()
     result = IntegrationResult(
         device=worker_device, device_name=hello.get("device_name", ""), generation=hello.get("generation", ""),
         timing_kind=final.timings[0].timing_kind if final.timings else "cpu", workloads=rows, dropped=dropped,
@@ -246,29 +243,27 @@ the usual eight (tuned, its CUDA-graph capture, three compile modes, each with o
 inside) in one batch, since a second batch waits out another compile of minutes."""
 
 
-def _side_by_side(runner: TrialRunner, folder: Path, ways: list[tuple[str, Candidate]], lock,
-                  on_step: Callable[[str], None], draw: tuple[int, int] | None = None) -> dict[str, Trial]:
-    """Each way in a fresh worker of its own (the first in `runner`'s, the rest in sibling runners
-    that share its reference worker and device lock): preloaded in batches of PARALLEL_LOADS,
-    then each batch verified and timed one by one, every way on the one draw of fresh inputs and
-    perturbed parameters `draw` (a new one when not given)."""
+def _side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: Callable[[str], None],
+                  draw: tuple[int, int] | None = None) -> dict[str, Trial]:
+    """Each way in a fresh worker of its own (the first in the pool's runner, the rest in the
+    pool's extra runners, which share its reference worker and device lock): preloaded in
+    batches of PARALLEL_LOADS, then each batch verified and timed one by one, every way on the
+    one draw of fresh inputs and perturbed parameters `draw` (a new one when not given)."""
+    runner = pool.runners[0]
     trials: dict[str, Trial] = {}
     draw = draw or (seed(), seed())
     try:
         for at in range(0, len(ways), PARALLEL_LOADS):
             batch = ways[at:at + PARALLEL_LOADS]
-            runners = [runner if at == 0 and i == 0 else _sibling(runner, folder, lock) for i in range(len(batch))]
-            for r in runners:
-                r.siblings, r.verify_seeds = runners, draw
-            try:
-                _batch(runners, batch, trials, on_step, keep=runner)
-            finally:  # also when a way raised
+            own = [runner] if at == 0 else []
+            with pool.extra_runners(len(batch) - len(own)) as extra:  # closed after, also when a way raised
+                runners = own + extra
                 for r in runners:
-                    if r is not runner:
-                        r.worker.close()
+                    r.verify_seeds = draw
+                _batch(runners, batch, trials, on_step, keep=runner)
     finally:
-        runner.siblings, runner.verify_seeds = [runner], None
-        runner.reference.kept.clear()
+        runner.verify_seeds = None
+        pool.reference.kept.clear()
     return trials
 
 
@@ -298,13 +293,6 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
 def _phases(trial: Trial) -> str:
     """Where a trial's seconds went ("start 19s, load 47s, verify 42s, refs 20s, time 3s")."""
     return ", ".join(f"{k} {v:.1f}s" if v < 10 else f"{k} {v:.0f}s" for k, v in trial.phases.items() if v >= 0.05)
-
-
-def _sibling(runner: TrialRunner, folder: Path, lock) -> TrialRunner:
-    r = TrialRunner(runner.device, runner.limits, WorkerConfig(**{**runner.config.__dict__}),
-                    device_lock=lock, reference=runner.reference)
-    r.add_problem(folder)
-    return r
 
 
 def _end_to_end(trial: Trial) -> str:

@@ -17,7 +17,7 @@ import torch
 from agent.errors import UserError
 from agent.flags import check_freeze_flags
 from sandbox.jail import refusal
-from sandbox.runner import Limits, TrialRunner
+from sandbox.pool import DevicePool
 from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
@@ -232,14 +232,13 @@ def try_candidate(target: Path, candidate: Path, region: str | None, device: str
         source = candidate.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{candidate}: cannot read the candidate ({e})") from None
-    runner = TrialRunner(str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}", Limits())
+    pool = DevicePool(str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}", [folder])
     try:
-        runner.add_problem(folder)
         c = Candidate(region=problem.name, source=source, planner="manual", note=candidate.name)
         path = str(run.save_candidate(c.source, c.hash)) if run and record else str(candidate)
-        trial = runner.run(c, candidate_path=path)
+        trial = pool.run(c, candidate_path=path)
     finally:
-        runner.close()
+        pool.close()
     if run is not None and record:
         store = run.store()
         store.record(trial)

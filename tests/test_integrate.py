@@ -207,16 +207,14 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
     own, and only then verified (on one draw of fresh inputs, the original's answers computed
     once) and timed, one after another: a failing way is its own trial, the others are timed;
     a preloaded candidate is never mistaken for another one."""
-    import threading
     from agent.integrate import _side_by_side, compile_candidate, routed_candidate
-    from sandbox.runner import TrialRunner
+    from sandbox.pool import DevicePool
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")
-    lock = threading.Lock()
-    runner = TrialRunner("cpu", device_lock=lock)
+    pool = DevicePool("cpu", [folder.path / "model"], cpu_lock=True)
+    runner = pool.runners[0]
     steps: list[str] = []
     try:
-        runner.add_problem(folder.path / "model")
         ways = [("tuned", routed_candidate([(rms, TRITON_RMSNORM.read_text())])),
                 ("broken", compile_candidate("no-such-mode")), ("untouched", routed_candidate([]))]
         asked: list[dict] = []
@@ -228,12 +226,13 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
             return original(msg, *a, **k)
         runner.reference.request = spy
         try:
-            trials = _side_by_side(runner, folder.path / "model", ways, lock, steps.append)
+            trials = _side_by_side(pool, ways, steps.append)
         finally:
             runner.reference.request = original
         # every way verified on one draw, whose references the reference worker computed once
         assert len(asked) == 1, asked
         assert not runner.reference.kept and runner.verify_seeds is None
+        assert pool.runners == [runner] and runner.siblings is pool.runners  # the extra runners are gone
         assert trials["tuned"].status.value == "ok" and trials["untouched"].status.value == "ok"
         assert trials["broken"].status.value in ("compile_error", "runtime_error"), trials["broken"].reason
         for name in ("tuned", "untouched"):
@@ -249,7 +248,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
         again = runner.run(routed_candidate([]), do_time=False)
         assert again.status.value == "ok", again.reason
     finally:
-        runner.close()
+        pool.close()
 
 
 def test_our_kernels_run_inside_torch_compile_as_opaque_ops_with_no_graph_break(run):
