@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from agent.history import History
 from agent.view import budget_line, progress_rows, progress_table
@@ -34,6 +34,8 @@ class Progress:
         self.budget = None
         self.doing = ""
         """A long phase after the search (integration), said by the periodic line instead of the trials."""
+        self.in_flight: Callable[[], list[str]] = lambda: []
+        """What the running trials are doing ('LlamaMLP 8453f559 timing decode 3 s'), for the periodic line."""
         self.count = 0
         self.last_line = time.monotonic()
         self.lock = threading.Lock()
@@ -50,7 +52,8 @@ class Progress:
 
     # -- what is shown ----------------------------------------------------------------------------
     def table(self):
-        return progress_table(progress_rows(self.problems, self.history), self.kind, self.budget_text())
+        return progress_table(progress_rows(self.problems, self.history), self.kind,
+                              self.budget_text() + (self._now() if not self.doing else f" · {self.doing}"))
 
     def budget_text(self) -> str:
         b = self.budget
@@ -121,8 +124,22 @@ class Progress:
 
     def _tick(self) -> None:
         while not self.closed.wait(min(self.interval, 5.0)):
+            if (live := self.live) is not None:  # the live table's 'now:' moves while no trial ends
+                try:
+                    live.update(self.table())
+                except OSError:
+                    self.live = None
+                except RuntimeError:  # the history changed under the view: the next tick shows it
+                    pass
             if time.monotonic() - self.last_line >= self.interval:
-                self.write(f"running: {self.doing}" if self.doing else f"running: {self.summary()}")
+                self.write(f"running: {self.doing}" if self.doing else f"running: {self.summary()}{self._now()}")
+
+    def _now(self) -> str:
+        try:
+            now = self.in_flight()
+        except Exception:  # a view of other threads' state: never worth stopping the run for
+            return ""
+        return f" · now: {'; '.join(now)}" if now else ""
 
     def close(self, text: str = "") -> None:
         self.closed.set()

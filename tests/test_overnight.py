@@ -92,12 +92,17 @@ def test_a_line_every_interval_while_no_trial_finishes(tmp_path):
     from agent.progress import Progress
     out = io.StringIO()
     progress = Progress(tmp_path / "log.txt", [], History(), "cpu", 10, 0.25, lines=out, interval=0.2)
+    doing: list[str] = []
+    progress.in_flight = lambda: list(doing)
     progress.start("session start")
-    time.sleep(0.9)
+    time.sleep(0.5)
+    doing.append("LlamaMLP 8453f559 importing and compiling 25 s")
+    time.sleep(0.5)
     progress.close("stopped")
     beats = [ln for ln in out.getvalue().splitlines() if " running: " in ln]
-    assert len(beats) >= 2, out.getvalue()
-    assert "candidates 0 of 10" in beats[0] and "h on the CPU" in beats[0]
+    assert len(beats) >= 3, out.getvalue()
+    assert "candidates 0 of 10" in beats[0] and "h on the CPU" in beats[0] and "now:" not in beats[0]
+    assert beats[-1].endswith(" · now: LlamaMLP 8453f559 importing and compiling 25 s"), beats[-1]
     assert (tmp_path / "log.txt").read_text().count(" running: ") == len(beats)
 
 
