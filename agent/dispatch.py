@@ -14,13 +14,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from agent.history import CandidateRecord
 from agent.prompting import render_code
-from tools.problem import Problem
+from tools.problem import Problem, ProblemError
+from tools.runfolder import RunFolder
 
 
 def _shapes(x: Any, out: list[str]) -> list[str]:
@@ -96,3 +97,36 @@ def dispatch_source(choices: list[ShapeChoice], sources: dict[str, str], default
 
 def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def region_dispatcher(run: RunFolder, p: Problem, kept: list[CandidateRecord], gens: list[str],
+                      single: CandidateRecord | None, source_of: Callable[[CandidateRecord], str | None]
+                      ) -> tuple[CandidateRecord, float] | None:
+    """The region's per-shape dispatcher over its kept candidates (above), saved with
+    the run's candidates, and its expected speedup from their own per-workload timings; None where
+    one candidate (or none) is best on every workload."""
+    try:
+        choices = per_workload(p, kept, gens, input_keys(p, run.problems_dir / p.name))
+    except (ProblemError, OSError, KeyError):
+        return None
+    if not worth_it(choices, single):
+        return None
+    sources = {}
+    for rec in [c.record for c in choices if c.record] + ([single] if single else []):
+        source = source_of(rec)
+        if source is None:
+            return None
+        sources[rec.candidate_hash] = source
+    source = dispatch_source(choices, sources, single)
+    digest = source_hash(source)
+    run.save_candidate(source, digest)
+    rec = CandidateRecord(p.name, digest, "dispatch_by_shape",
+                          {"by_workload": {c.workload: c.record.candidate_hash if c.record else "original"
+                                           for c in choices}}, "integrate")
+    w = p.weights
+    base = new = 0.0
+    for c in choices:
+        t = next((t for r in kept for t in r.by_generation[gens[0]].timings if t.workload == c.workload), None)
+        if t is not None:
+            base, new = base + w[c.workload] * t.baseline_ms, new + w[c.workload] * t.baseline_ms / c.speedup
+    return rec, (base / new if new > 0 else 1.0)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from agent import dispatch
 from agent.history import CandidateRecord
 from agent.jobs import UserError, resolve_device
 from agent.loop import load_history
@@ -102,9 +103,11 @@ def compile_candidate(mode: str | None) -> Candidate:
 def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, *,
               max_tries: int = MAX_TRIES, limits: Limits | None = None, memory_gb: float = 8.0,
               on_note: Callable[[str], None] = lambda note: None, modes: list[str] | None = None,
-              cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None) -> IntegrationResult:
+              cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None,
+              on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None) -> IntegrationResult:
     """`modes`: the torch.compile baselines to time (names of BASELINES; default all). `on_step`:
-    a line per trial as it ends (what it was, its verdict, where its seconds went)."""
+    a line per trial as it ends (what it was, its verdict, where its seconds went); `on_in_flight`
+    gets a callable saying what the running ways are doing."""
     run = run if isinstance(run, RunFolder) else RunFolder.open(Path(run))
     folder = run.path / MODEL_DIR
     try:
@@ -137,17 +140,22 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
             note(f"{p.name}: no candidate passed on every target generation; the original stays")
             continue
         wins = [r for r in kept if all(r.by_generation[g].win for g in gens)]
-        if not wins:
+        shaped = dispatch.region_dispatcher(run, p, kept, gens, wins[0] if wins else None, lambda r: _source(run, r)[0])
+        if not wins and shaped is None:
             dropped.append(DroppedCandidate(region=p.name, candidate_hash=kept[0].candidate_hash,
                                             reason=f"{NOT_FASTER} (best kept {kept[0].score(gens):.2f}x)"))
             continue
-        plans.append((expected_gain(p.share_of_model, wins[0].score(gens)), wins[0].score(gens), p, wins, gens))
+        # The per-shape choice first: on every workload it is at least as fast as the best single one.
+        tries = ([shaped[0]] if shaped else []) + wins[:max_tries]
+        score = shaped[1] if shaped else wins[0].score(gens)
+        plans.append((expected_gain(p.share_of_model, score), score, p, tries, gens))
     plans.sort(key=lambda x: (-x[0], -x[1]))
 
     lim = limits or Limits(compile_s=900, run_s=900, time_s=600)
     # One worker verifies or times at a time, on the CPU too; the others only compile. On a GPU,
     # across every tuner of the host too (sandbox/device_lock.py).
     pool = DevicePool(worker_device, [folder], limits=lim, memory_gb=memory_gb, cpu_lock=True)
+    on_in_flight(pool.in_flight)
     runner = pool.runners[0]
     accepted: list[tuple[Problem, CandidateRecord, str]] = []
     # One draw of fresh inputs and perturbed parameters for every check of the model here (each
@@ -157,8 +165,8 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     draw = (seed(), seed())
     try:
         runner.verify_seeds = draw
-        for _, _, p, wins, gens in plans:
-            for rec in wins[:max_tries]:
+        for _, _, p, tries, gens in plans:
+            for rec in tries:
                 source, why = _source(run, rec)
                 if source is None:
                     dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash, reason=why))
@@ -231,7 +239,7 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
         baseline_errors=errors, baseline_fallbacks=fallbacks, dynamo=dynamo, notes=notes, noise_band=final.noise_band, cuda_graph=graphed,
         accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
                                  candidate_path=str(_path(run, rec)), planner=rec.planner, template=rec.template,
-                                 region_speedup=rec.score(history.targets(p.name)), instances=len(p.instances))
+                                 region_speedup=rec.score(history.targets(p.name)) or None, instances=len(p.instances))
                   for p, rec, _ in accepted])
     result.save(run.path)
     return result

@@ -53,7 +53,7 @@ class Progress:
     # -- what is shown ----------------------------------------------------------------------------
     def table(self):
         return progress_table(progress_rows(self.problems, self.history), self.kind,
-                              self.budget_text() + (self._now() if not self.doing else f" · {self.doing}"))
+                              self.budget_text() + (f" · {self.doing}" if self.doing else "") + self._now())
 
     def budget_text(self) -> str:
         b = self.budget
@@ -132,7 +132,7 @@ class Progress:
                 except RuntimeError:  # the history changed under the view: the next tick shows it
                     pass
             if time.monotonic() - self.last_line >= self.interval:
-                self.write(f"running: {self.doing}" if self.doing else f"running: {self.summary()}{self._now()}")
+                self.write(f"running: {self.doing or self.summary()}{self._now()}")
 
     def _now(self) -> str:
         try:

@@ -180,7 +180,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
         outcome, budget = run_tune(run, settings.planner, settings.devices, rule, on_trial=on_trial, on_note=note,
                                    llm_model=settings.llm_model, base_url=settings.base_url,
                                    executor_name=settings.executor, ray_address=settings.ray_address,
-                                   workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget)
+                                   workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget,
+                                   on_in_flight=lambda f: setattr(progress, "in_flight", f))
     except KeyboardInterrupt:  # a second signal during the search: stopped, not cleanly
         interrupted = True
         outcome = Outcome("interrupted (a second signal)", 0, 0)
@@ -198,7 +199,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                            "of running it (eager, CUDA graph, each torch.compile mode with and without our kernels) "
                            "compiled side by side and timed one by one")
             integration = _integrate(run, settings.devices, req.baselines, note,
-                                     lambda line: progress.write(f"integration: {line}"))
+                                     lambda line: progress.write(f"integration: {line}"),
+                                     lambda f: setattr(progress, "in_flight", f))
         except KeyboardInterrupt:
             interrupted = True
             note("integration interrupted: the search's results are kept; run agent integrate RUN later")
@@ -223,7 +225,7 @@ def _timing_kind(problems, devices: str | None) -> str:
 
 
 def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note: Callable[[str], None],
-               on_step: Callable[[str], None] = lambda line: None):
+               on_step: Callable[[str], None] = lambda line: None, on_in_flight=lambda f: None):
     """Integration after a search: the result, or one line saying why there is none (a search
     that found something must not end in a traceback because the end-to-end check could not run)."""
     from agent.integrate import IntegrationError, integrate
@@ -231,7 +233,7 @@ def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note
     on_gpu = (device or "").startswith("cuda") or (not device and cuda_run(run))
     want = on_gpu if baselines is None else baselines
     try:
-        return integrate(run, device, baselines=want, on_step=on_step)  # its notes are part of the result
+        return integrate(run, device, baselines=want, on_step=on_step, on_in_flight=on_in_flight)  # its notes are part of the result
     except (IntegrationError, UserError, ProblemError) as e:
         note(f"integration: {e}")
         return f"not integrated: {e}"

@@ -68,9 +68,11 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
              llm_model: str | None = None, base_url: str | None = None,
              memory_gb: float = 8.0, executor_name: str = "local",
              ray_address: str | None = None, workers_per_gpu: int | None = None,
-             on_budget: Callable[[Budget], None] = lambda b: None) -> tuple[Outcome, Budget]:
+             on_budget: Callable[[Budget], None] = lambda b: None,
+             on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None) -> tuple[Outcome, Budget]:
     """Search the run until a stop rule fires or a signal stops it. The outcome says which
-    generations the candidates were tried on (`outcome.generations`)."""
+    generations the candidates were tried on (`outcome.generations`). `on_in_flight` gets a
+    callable that says what the running trials are doing (for the progress line)."""
     from agent.executors.local import BUSY_NOTE, LocalExecutor, parse_devices  # torch: past the flags' checks
     from agent.jobs import check_model_unchanged
     from sandbox.runner import Limits
@@ -120,6 +122,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
                     candidates_tried=len(history.records))
     budget.remember(history.trials)
     on_budget(budget)
+    on_in_flight(getattr(executor, "in_flight", lambda: []))
     stop = threading.Event()
     stopped_by: list[str] = []
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}

@@ -100,6 +100,10 @@ class DevicePool:
         now = time.monotonic()
         return {h: now - t for h, t in list(self.busy.values())}
 
+    def in_flight(self) -> list[str]:
+        """What each running trial is doing now ('LlamaMLP 8453f559 timing decode 3 s')."""
+        return [n for r in list(self.runners) if (n := r.now())]
+
     def interrupt(self) -> None:
         """Stop the trials running now (the tuner was interrupted); idle workers stay up."""
         for r in list(self.runners):

@@ -295,6 +295,59 @@ def test_every_check_of_the_model_is_on_one_draw_whose_answers_are_computed_once
     assert len(asked) == 1, asked
 
 
+OWN_RMSNORM = "def forward(module, x):\n    return type(module).forward(module, x)\n"
+
+
+def test_each_shape_runs_the_candidate_that_was_fastest_on_it(run, tmp_path):
+    """Two correct RMSNorm candidates, each faster on one workload only (pinned timings): the
+    region gets a dispatcher that runs each where it won, tried before either alone, verified
+    end to end and saved with the run's candidates."""
+    from agent.dispatch import input_keys
+    from agent.integrate import integrate
+    from tools.runfolder import RunFolder
+    from tools.trial import Candidate, Status, WorkloadTiming
+    folder, (biased, triton, _) = run
+    shutil.copytree(folder.path, tmp_path / "run")
+    copy_run = RunFolder.open(tmp_path / "run")
+    store = copy_run.store()
+    try:
+        for t in store.trials():
+            if t.region == "RMSNorm":  # only the two below are kept for this region
+                store.record(t.model_copy(update={"status": Status.wrong, "reason": "set aside for this test"}))
+        own = Candidate(region="RMSNorm", source=OWN_RMSNORM)
+        copy_run.save_candidate(OWN_RMSNORM, own.hash)
+        base = next(t for t in store.trials() if t.candidate_hash == triton)
+
+        def timed(digest: str, rows8: float, rows32: float):
+            tims = [WorkloadTiming(workload=w, baseline_ms=1.0, candidate_ms=1.0 / s, speedup=s, noise_band=0.02,
+                                   baseline_spread=0.0, candidate_spread=0.0, reps=10, timing_kind="cpu")
+                    for w, s in (("rows8", rows8), ("rows32", rows32))]
+            return base.model_copy(update={"candidate_hash": digest, "candidate_path": "", "status": Status.ok,
+                                           "timings": tims, "speedup": 2 / (1 / rows8 + 1 / rows32),
+                                           "noise_band": 0.02})
+        store.record(timed(triton, 2.0, 1.0))
+        store.record(timed(own.hash, 1.0, 3.0))
+    finally:
+        store.close()
+    steps: list[str] = []
+    result = integrate(tmp_path / "run", "cpu", baselines=False, on_step=steps.append)
+    (acc,) = [a for a in result.accepted if a.region == "RMSNorm"]
+    assert acc.template == "dispatch_by_shape" and acc.region_speedup is None, acc
+    routed = [s for s in steps if s.startswith("RMSNorm ") and " routed in: " in s]
+    assert routed[0].split()[1] == acc.candidate_hash and " ok " in routed[0], routed
+    source = Path(acc.candidate_path).read_text()
+    assert Path(acc.candidate_path).parent == copy_run.candidates_dir
+    rms = next(p for p in copy_run.problems() if p.name == "RMSNorm")
+    keys = input_keys(rms, copy_run.problems_dir / "RMSNorm")
+    namespace: dict = {}
+    table = source[source.index("_TABLE = {"):source.index("_DEFAULT")]
+    exec(table, namespace)
+    kernels = source[source.index("_KERNELS = ["):source.index("_TABLE = {")]
+    exec(kernels, namespace)
+    picked = [namespace["_KERNELS"][namespace["_TABLE"][k]] for k in keys]
+    assert picked == [TRITON_RMSNORM.read_text(), OWN_RMSNORM]
+
+
 def test_e2e_tolerance_is_calibrated_on_the_models_own_rounding_error():
     from tools.capture import calibrated_tolerance
     model = _DeepBF16().to(torch.bfloat16)

@@ -96,7 +96,7 @@ def test_a_harness_error_is_a_lost_trial_and_the_pool_keeps_working(problem_dir,
         ok = pool.run(candidate(variant=1), candidate_path="c.py", do_time=False)
         assert ok.status is Status.ok, ok.reason
         assert ok.device == "cpu@here" and ok.candidate_path == "c.py" and not ok.timings
-        assert ok.phases["wall"] >= ok.gpu_seconds > 0
+        assert ok.phases["wall"] + 1e-3 >= ok.gpu_seconds > 0  # two clocks: wall is monotonic, the charge time.time()
     finally:
         pool.close()
 

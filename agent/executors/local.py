@@ -162,6 +162,9 @@ class LocalExecutor:
             t.start()
         yield from results_of(results, len(threads))
 
+    def in_flight(self) -> list[str]:
+        return [n for pool in self.pools.values() for n in pool.in_flight()]
+
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
