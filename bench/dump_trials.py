@@ -14,7 +14,7 @@ for arg in sys.argv[1:]:
     root = Path(arg)
     for path in sorted([root / "trials.sqlite"] if (root / "trials.sqlite").exists() else root.rglob("trials.sqlite")):
         print(path)
-        trials = Store(path, readonly=True).trials()
+        trials = list(Store(path, readonly=True).trials())
         t0 = min((t.started_at for t in trials), default=0.0)
         for t in trials:
             band = "-" if t.noise_band is None else f"{t.noise_band:.3f}"

@@ -200,7 +200,8 @@ class TrialRunner:
         return dict(region=c.region, candidate_hash=c.hash, planner=c.planner, template=c.template,
                     params=c.params, device=self.device, device_name=h.get("device_name", ""),
                     generation=h.get("generation", ""), tolerance=str(lp.problem.tolerance) if lp else "",
-                    versions={"torch": h.get("torch", ""), "triton": h.get("triton", "")})
+                    versions={"torch": h.get("torch", ""), "triton": h.get("triton", "")},
+                    jail=str(self.worker.isolation.get("kind", "")))
 
     def _fail(self, c: Candidate, lp: LoadedProblem | None, reply: Reply, **extra: Any) -> Trial:
         status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.crash

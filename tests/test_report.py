@@ -313,3 +313,30 @@ def test_an_aa_reading_beyond_its_band_is_named_the_measurements_offset_not_a_ch
     console = Console(width=200, record=True)
     console.print(render(applied))
     assert "(A/A)" not in console.export_text()
+
+
+def test_trials_that_ran_without_the_jail_are_named_so(tuned, tmp_path):
+    """--no-jail (or a machine with no jail) is in the report, from what each trial's worker ran in."""
+    import shutil
+
+    from tools.store import Store
+    md = (tuned / "report.md").read_text() if (tuned / "report.md").exists() else ""
+    run = tmp_path / "run"
+    shutil.copytree(tuned, run)
+    store = Store(run / "trials.sqlite")
+    try:
+        trials = list(store.trials())
+        assert trials and all(t.jail in ("bubblewrap", "none") for t in trials), {t.jail for t in trials}
+        jailed = all(t.jail == "bubblewrap" for t in trials)
+        for t in trials[:2]:
+            store.record(t.model_copy(update={"jail": "none"}))
+    finally:
+        store.close()
+    if jailed:
+        assert "Not jailed" not in md
+    result = agent("report", run)
+    assert result.returncode == 0, result.stderr[-2000:]
+    got = (run / "report.md").read_text()
+    line = next(ln for ln in got.splitlines() if ln.startswith("**Not jailed:**"))
+    assert "ran without the jail (template)" in line and "your user's rights" in line, line
+    assert "Not jailed: " in (run / "report.html").read_text()

@@ -255,7 +255,7 @@ def test_without_bubblewrap_a_worker_still_runs_and_says_what_is_not_isolated(fr
         good = "def forward(module, x):\n    return type(module).forward(module, x)\n"
         trial = runner.run(Candidate(region="LlamaRMSNorm", source=good), do_time=False)
         assert trial.status is Status.ok, trial.reason
-        assert runner.worker.isolation["kind"] == "none"
+        assert runner.worker.isolation["kind"] == "none" and trial.jail == "none"  # the report names it
     finally:
         runner.close()
 

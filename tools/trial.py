@@ -143,6 +143,9 @@ class Trial(BaseModel):
     phases: dict[str, float] = Field(default_factory=dict)
     """Seconds per phase: load (import + first call, compiles kernels), verify, time."""
     versions: dict[str, str] = Field(default_factory=dict)
+    jail: str = ""
+    """What the candidate's worker ran in: `bubblewrap` (the jail) or `none` (--no-jail, or no jail
+    on this machine: the candidate had the user's rights); empty when no worker ran it."""
     started_at: float = Field(default_factory=time.time)
     finished_at: float = 0.0
 

@@ -102,6 +102,17 @@ class ReportData:
         return sum(t.gpu_seconds for t in self.history.trials)
 
     @property
+    def unjailed(self) -> str | None:
+        """A line when some trials' candidates ran outside the jail (--no-jail, or no jail here)."""
+        ran = [t for t in self.history.trials if t.jail]
+        out = [t for t in ran if t.jail != "bubblewrap"]
+        if not out:
+            return None
+        planners = ", ".join(sorted({t.planner for t in out}))
+        return (f"{len(out)} of {len(ran)} trials ran without the jail ({planners}): their candidates had your "
+                "user's rights (--no-jail, or no jail on that machine; see agent doctor)")
+
+    @property
     def cpu_only(self) -> bool:
         kinds = set(self.timing.values()) or {"cpu" if all(p.device == "cpu" for p in self.problems) else "cuda"}
         return kinds == {"cpu"}

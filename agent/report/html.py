@@ -133,7 +133,8 @@ def _summary(data: ReportData) -> list[str]:
            _card(escape(spent.split(" ", 1)[0]), escape(spent.split(" ", 1)[1]) + " spent"),
            _card(f"${data.usd:.2f}", "spent on LLM calls"), "</div>",
            f"<p>{escape(run_state(data))}</p>",
-           *(f"<p class='bad'>Planner stopped: {escape(tidy(why))}</p>" for why in data.planner_stops)]
+           *(f"<p class='bad'>Planner stopped: {escape(tidy(why))}</p>" for why in data.planner_stops),
+           *([f"<p class='bad'>Not jailed: {escape(data.unjailed)}</p>"] if data.unjailed else [])]
     if res is None:
         out.append(f"<p><b>{escape(data.integration_error or 'Integration has not run yet')}</b>: there are no "
                    "end-to-end numbers for this run; the per-region results below are from the search alone.</p>")

@@ -13,6 +13,7 @@ def render_md(data: ReportData, images: dict[str, str] | None = None) -> str:
           f"Model `{info.model_file}` · {len(data.history.trials)} trials · "
           f"{device_time(data.gpu_seconds, data.cpu_only)} · ${data.usd:.2f} of LLM calls · {data.timing_note}", "",
           run_state(data), ""]
+    L += [f"**Not jailed:** {data.unjailed}", ""] if data.unjailed else []
     L += [f"**Planner stopped:** {tidy(why)}" for why in data.planner_stops]
     L += ([""] if data.planner_stops else []) + ["## End to end", ""]
     L += _md_integration(data) + _md_totals(data)
