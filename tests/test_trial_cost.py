@@ -131,3 +131,34 @@ def test_a_running_trial_says_what_it_is_doing(frozen_run):
         assert r.now() is None
     finally:
         r.close()
+
+
+def test_every_workload_is_spot_checked_and_not_every_round(frozen_run, monkeypatch):
+    """Spot checks (a timed repetition's output against the original's) are drawn per round after
+    it ran: each workload gets at least one, and a trial no longer pays for one every round."""
+    from sandbox import timed
+    from sandbox.runner import Limits, TrialRunner
+    from tools.trial import Candidate, Status
+    checked: list[tuple[int, int]] = []
+    original = timed._spot_check
+
+    def counting(r, lp, i, s, reps):
+        checked.append((len(checked), i))
+        return original(r, lp, i, s, reps)
+    monkeypatch.setattr(timed, "_spot_check", counting)
+    own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+    r = TrialRunner("cpu", Limits(compile_s=60, run_s=30, time_s=60, budget_ms=20, max_reps=3, rounds=3))
+    try:
+        r.add_problem(frozen_run / "LlamaRMSNorm")
+        n = len(r.problems["LlamaRMSNorm"].problem.workloads)
+        per_trial = []
+        for _ in range(3):
+            checked.clear()
+            trial = r.run(Candidate(region="LlamaRMSNorm", source=own, planner="manual"))
+            assert trial.status is Status.ok, trial.reason
+            per_trial.append([i for _, i in checked])
+    finally:
+        r.close()
+    for got in per_trial:
+        assert set(got) == set(range(n)), got  # every workload at least once
+    assert sum(map(len, per_trial)) < 3 * 3 * n  # not every round of every workload
