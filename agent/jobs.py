@@ -21,7 +21,7 @@ from sandbox.pool import DevicePool
 from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
-from tools.problem import Problem, StopRule, Tolerance
+from tools.problem import Problem, StopRule
 from tools.profiler import ProfileResult, plan_regions, profile_model, select_regions
 from tools.runfolder import RunFolder, RunInfo
 from tools.trial import Candidate, Trial

@@ -1,4 +1,4 @@
-"""One device's trial runner: load, verify and time candidates in a sandbox worker.
+"""One worker's trial runner: load, verify and time candidates in a sandbox worker.
 
 The runner holds the frozen references (they never enter a worker) and decides. Per trial it
 draws fresh seeds; the device's reference worker (sandbox/reference.py), which never runs
