@@ -38,7 +38,7 @@ from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, Workl
 from tools.modelfile import file_sha256
 from tools.problem import Problem, ProblemError
 from tools.runfolder import RunFolder
-from tools.trial import Candidate, Trial, verdict
+from tools.trial import Candidate, Trial, error_line, verdict
 
 MAX_TRIES = 3
 """Kept candidates tried per region, best first."""
@@ -328,11 +328,6 @@ def _source(run: RunFolder, rec: CandidateRecord) -> tuple[str | None, str]:
     return source, ""
 
 
-def _first_line(text: str) -> str:
-    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""
-
-
 def render(result: IntegrationResult, console_width: int | None = None):
     """The end-to-end table for the terminal (rich): per workload eager, tuned, speedup (or "no
     change" inside the noise band), baselines, and the error against the end-to-end tolerance;
@@ -369,7 +364,7 @@ def render(result: IntegrationResult, console_width: int | None = None):
     for d in result.dropped:
         lines.append(Text(f"dropped {d.region} {d.candidate_hash}: {d.reason}"))
     for name, text in result.baseline_errors.items():
-        lines.append(Text(f"baseline {name} failed: {_first_line(text)}"))
+        lines.append(Text(f"baseline {name} failed: {error_line(text)}"))
     for name, why in result.baseline_fallbacks.items():
         lines.append(Text(f"{name}: torch.compile {why} (dynamo: {_counts(result.dynamo.get(name.split(' (')[0]))})"))
     for w in result.workloads:

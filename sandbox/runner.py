@@ -25,7 +25,7 @@ from sandbox.reference import ReferenceWorker, register
 from sandbox.seeds import seed
 from tools import verify
 from tools.problem import Problem
-from tools.trial import Candidate, Status, Trial
+from tools.trial import Candidate, Status, Trial, error_line
 
 
 @dataclass
@@ -210,9 +210,9 @@ class TrialRunner:
         tampered = self._tampered_after_failure() if status not in (Status.crash, Status.lost, Status.oom) else []
         if tampered:  # the failure came with tampering: that is the verdict, and the worker goes
             return self._suspicious(c, lp, "the candidate replaced functions of torch or the harness (and then "
-                                    f"failed: {_first_line(reply.error)}): " + ", ".join(tampered[:5]),
+                                    f"failed: {error_line(reply.error)}): " + ", ".join(tampered[:5]),
                                     error_text=reply.error[-4000:], **extra)
-        return Trial(**self._base(c, lp), status=status, reason=_first_line(reply.error),
+        return Trial(**self._base(c, lp), status=status, reason=error_line(reply.error),
                      error_text=reply.error[-4000:], **extra)
 
     def _tampered_after_failure(self) -> list[str]:
@@ -373,8 +373,3 @@ def _complete(runs: dict, header: dict, n: int) -> bool:
     if len(runs["a"]) != n or len(runs["b"]) != n or not isinstance(header.get("meta"), dict):
         return False
     return all(isinstance(r, list) for k in ("a", "b", "fresh", "perturbed") for r in runs[k])
-
-
-def _first_line(text: str) -> str:
-    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""

@@ -270,6 +270,32 @@ def test_our_kernels_run_inside_torch_compile_as_opaque_ops_with_no_graph_break(
     assert all(r >= 1 for r in trial.dynamo["regions"]) and not trial.compile_fallback, trial.dynamo
 
 
+def test_a_torch_compile_winner_routes_into_every_instance_eager_and_composed(run):
+    """The compiler planner's candidate (torch.compile of the region) as a winner: routed into
+    both RMSNorm instances, its forward is the instance's own, so compiling the module would
+    call back into itself (dynamo failed every such routed model on the GPU). The routed model
+    and the composed way both pass end to end."""
+    from agent.integrate import composed_candidate, routed_candidate
+    from agent.prompting import render_code
+    from sandbox.runner import TrialRunner
+    folder, _ = run
+    rms = next(p for p in folder.problems() if p.name == "RMSNorm")
+    winner = render_code("kernels/torch_compile.py.j2", mode=None, options={})
+    runner = TrialRunner("cpu")
+    try:
+        runner.add_problem(folder.path / "model")
+        trials = [runner.run(c, do_time=False) for c in (routed_candidate([(rms, winner)]),
+                                                          composed_candidate([(rms, winner)], None))]
+    finally:
+        runner.close()
+    routed, composed = trials
+    for trial in trials:
+        assert trial.status.value == "ok", trial.reason
+        assert trial.dynamo and trial.dynamo["graphs"] >= 1 and not trial.dynamo["graph_breaks"], trial.dynamo
+    assert all(r >= 2 for r in routed.dynamo["regions"]), routed.dynamo  # each instance's region compiled
+    assert not composed.compile_fallback, composed.dynamo
+
+
 def test_every_check_of_the_model_is_on_one_draw_whose_answers_are_computed_once(run, tmp_path, monkeypatch):
     """The winners routed in one by one and then the tuned model: three verifications of the
     whole model, one request for the original's answers (they are gigabytes a set with a KV

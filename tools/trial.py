@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from enum import Enum
 from typing import Any
@@ -178,3 +179,15 @@ def compile_fallback(info: dict[str, Any] | None) -> str:
         return (f"partly eager: {info.get('graph_breaks', 0)} graph break(s), "
                 f"up to {max(eager, default=0)} compute ops outside compiled code per call")
     return ""
+
+
+_EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure|Unsupported)\b")
+
+
+def error_line(text: str) -> str:
+    """The one line of a traceback that says what went wrong: the last exception's own line
+    (an exception whose message runs on, as dynamo's do with advice on logging, keeps its
+    first line), else the last line."""
+    lines = [ln.rstrip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    heads = [ln for ln in lines if _EXC_LINE.match(ln)]
+    return (heads[-1] if heads else lines[-1] if lines else "")[:300]
