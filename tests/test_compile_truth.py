@@ -111,3 +111,23 @@ def test_a_compiled_way_that_runs_eager_is_labelled_so(run):
     assert trial.dynamo["regions"] == [0]
     assert trial.compile_fallback.startswith("fell back to eager")
     assert any("torch.compile fell back to eager" in f for f in trial.flags)
+
+
+def test_only_candidates_that_compile_are_probed_in_a_worker_where_dynamo_is_loaded(run):
+    """dynamo stays loaded in a worker after a compiled candidate; a Triton or plain candidate
+    after it is not "torch.compile fell back to eager" (the label once sat on the H200's split-KV
+    decode kernel), while a skipped compile after it still is."""
+    from sandbox.runner import TrialRunner
+    from tools.trial import Candidate
+    plain = "def forward(module, *args):\n    return type(module).forward(module, *args)\n"
+    runner = TrialRunner("cpu")
+    try:
+        runner.add_problem(run.problems_dir / "Model")
+        first, second, third = (runner.run(Candidate(region="Model", source=s, planner="manual"), do_time=False)
+                                for s in (COMPILED, plain, SKIPPED))
+    finally:
+        runner.close()
+    assert [t.status.value for t in (first, second, third)] == ["ok"] * 3
+    assert first.dynamo["graphs"] >= 1 and not first.compile_fallback
+    assert second.dynamo is None and not any("torch.compile" in f for f in second.flags), second.flags
+    assert third.compile_fallback.startswith("fell back to eager"), third.dynamo

@@ -301,3 +301,38 @@ def test_a_timed_repetition_writes_its_cache_at_one_address_and_draws_everything
         cache[:, :2] = x.unsqueeze(1)  # the call writes its new tokens into the cache
     assert len({c for _, c in seen[1:]}) == 1
     assert make.kept and set(make.kept) == {1}  # the cache, and only the cache, is kept
+    # The worker's next timed run of this input set (another seed) keeps the same address.
+    make.draw = lambda j: T.vary_set(base_args, base_kwargs, 200 + j)
+    (x, cache), _ = make(0)
+    assert cache.data_ptr() == seen[-1][1] and torch.equal(cache, T.vary_set(base_args, base_kwargs, 200)[0][1])
+
+
+def test_the_worker_keeps_a_cache_at_one_address_across_its_timed_runs():
+    """Across the worker's runs of one input set (rounds of a few repetitions each, as a slow
+    call gets), not only within one: else reduce-overhead re-records its graphs every round."""
+    from sandbox import worker as W
+    from tools import timing
+    w = W.Worker.__new__(W.Worker)
+    w.torch, w.role, w.device, w.clock, w.in_place, w.kept = torch, "reference", torch.device("cpu"), None, {}, []
+
+    def fwd(region, x, cache):
+        cache[:, :2] = x.unsqueeze(1)  # writes its new tokens into the cache
+        return cache.sum(1)
+    w.problems = {"p": {"region": torch.nn.Identity(), "forward": fwd}}
+    w._device_set = lambda p, i: ([torch.randn(2, 8), torch.zeros(2, 16, 8)], {})
+    w._copy_outputs = lambda out: ([out.clone()], None)
+    caches, real = [], timing.run_batch
+
+    def spy(call, make, reps, *a, **k):
+        def drawn(j):
+            args, kwargs = make(j)
+            caches.append(args[1].data_ptr())
+            return args, kwargs
+        return real(call, drawn, reps, *a, **k)
+    timing.run_batch = spy
+    try:
+        for seed in (1, 2, 3):
+            w.op_batch({"problem": "p", "set": 0, "seed": seed, "reps": 2}, None)
+    finally:
+        timing.run_batch = real
+    assert len(caches) == 6 and len(set(caches[1:])) == 1, caches  # new memory only on the very first call
