@@ -220,8 +220,9 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
     """One timed run of the candidate on the inputs the original's run `rb` just had, bounded by
     the tuner's clock: the original's run (trusted) shows what the harness costs around the calls
     (its wall time less its calls), so the candidate's wall time less that is what its calls
-    took. Returns (samples, that time per call, the lead used). A run that drained (the host fell
-    behind the GPU, so the clock saw idle time) is repeated with a longer lead, twice at most."""
+    took. Returns (samples, that time per call, the lead used). A run the clock refutes is
+    repeated, twice at most (with a longer lead where the host fell behind the GPU, so the clock
+    saw idle time), and only the last is judged."""
     lim, reps = r.limits, req["reps"]
     b_samples = _samples(rb)
     overhead = max(0.0, wall_b - sum(b_samples))
@@ -248,9 +249,12 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
         if claimed >= bound * (1 - CLAIM_REL.get(kind, 0.9)) - slack:
             r.last_checksums = [float(x) for x in sums]
             return samples, bound / reps, lead
-        if kind == "cuda" and not lp.problem.is_whole_model and _drained(rc, rb) and attempt < 2 \
-                and lead < MAX_LEAD_MS:
-            lead = min(MAX_LEAD_MS, 4 * lead + 5.0)
+        if kind == "cuda" and attempt < 2:
+            # Refuted: measure again before anything else. A run the host fell behind in gets a
+            # longer lead; any other may have met a hiccup of the machine (a worker descheduled,
+            # a sibling's work), which one run can show and a forged timer does not escape.
+            if not lp.problem.is_whole_model and _drained(rc, rb) and lead < MAX_LEAD_MS:
+                lead = min(MAX_LEAD_MS, 4 * lead + 5.0)
             continue
         if kind == "cuda" and claimed >= 0.1 * bound:
             # The events cover less than the tuner's clock saw: host work in every call (tiny
@@ -263,8 +267,8 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             r.phases["host_bound"] = min(r.phases.get("host_bound", 1.0), claimed / max(bound, 1e-9))
             return [bound / reps] * reps, bound / reps, lead
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
-                      f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call): "
-                      f"forged timings (the original's run beside it: events {sum(b_samples) / reps:.4g} ms per "
+                      f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call), "
+                      f"in each of 3 runs: timings the clock refutes (the original's run beside the last: events {sum(b_samples) / reps:.4g} ms per "
                       f"call, wall {wall_b / reps:.4g} ms per repetition; the candidate's wall "
                       f"{wall_c / reps:.4g} ms; {reps} repetitions, lead {lead:.3g} ms)")
     raise AssertionError("unreachable")
