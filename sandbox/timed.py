@@ -252,9 +252,13 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
         if kind == "cuda" and attempt < 2:
             # Refuted: measure again before anything else. A run the host fell behind in gets a
             # longer lead; any other may have met a hiccup of the machine (a worker descheduled,
-            # a sibling's work), which one run can show and a forged timer does not escape.
+            # GPU work a stopped sibling queued before it stopped): one run can show a hiccup, and
+            # a forged timer does not escape by being run again. Before a run that would be
+            # refused outright, a pause lets such queued work drain.
             if not lp.problem.is_whole_model and _drained(rc, rb) and lead < MAX_LEAD_MS:
                 lead = min(MAX_LEAD_MS, 4 * lead + 5.0)
+            elif claimed < 0.1 * bound:
+                time.sleep(0.25 * 4 ** attempt)
             continue
         if kind == "cuda" and claimed >= 0.1 * bound:
             # The events cover less than the tuner's clock saw: host work in every call (tiny
