@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KINDS = (("GPU-hours", "budget"), ("patience", "patience"), ("candidate cap", "cap"),
+KINDS = (("device-hours cap", "budget"), ("GPU-hours", "budget"), ("patience", "patience"), ("candidate cap", "cap"),
          ("search space exhausted", "exhausted"))
 
 

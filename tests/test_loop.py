@@ -191,7 +191,7 @@ def test_patience_ends_a_search_that_stops_improving(run):
 
 def test_gpu_hours_cap_below_one_trial_starts_nothing(run):
     outcome, budget, _ = run_loop(run, StubPlanner([RIGHT]), StopRule(gpu_hours=0.001))
-    assert outcome.stop_reason.startswith("GPU-hours")
+    assert outcome.stop_reason.startswith("device-hours cap")
     assert stored(run) == [] and budget.spent == 0.0
 
 
@@ -204,7 +204,7 @@ def test_gpu_hours_cap_stops_the_run_within_one_trial_of_the_cap(run):
     outcome, budget, _ = run_loop(run, StubPlanner(forever=RIGHT.replace("import torch", "import torch  # {i}")),
                                   rule, budget=budget)
     trials = stored(run)
-    assert outcome.stop_reason.startswith("GPU-hours")
+    assert outcome.stop_reason.startswith("device-hours cap")
     assert 1 <= len(trials) < 100
     assert budget.spent == pytest.approx(0.5 + sum(t.gpu_seconds for t in trials))
     assert budget.spent <= budget.cap_seconds + max(t.gpu_seconds for t in trials)
@@ -225,7 +225,7 @@ def test_parallel_launches_share_the_cap_instead_of_enlarging_it():
         budget.cancel(t)
     budget.spent = 28.5
     assert not budget.try_launch(22, "cuda:0", REGION)  # nothing in flight and it does not fit: the end
-    assert budget.exhausted and budget.stop_reason.startswith("GPU-hours cap")
+    assert budget.exhausted and budget.stop_reason.startswith("device-hours cap")
 
 
 def test_workers_sharing_one_device_take_turns_so_their_reservations_add_up():
