@@ -91,7 +91,8 @@ class Budget:
             if need > self.cap_seconds:
                 if not self.in_flight:
                     self.exhausted = True
-                    self.stop_reason = (f"device-hours cap (--gpu-hours): {self.spent / 3600:.4f} h spent of {self.rule.gpu_hours:g} h, "
+                    self.stop_reason = (f"device-hours cap (--gpu-hours): {self.spent / 3600:.4f} h spent of "
+                                        f"{self.rule.gpu_hours:g} h, "
                                         f"next trial would take ~{need - self.projected():.0f} s")
                 return False
             self.in_flight[token] = mine

@@ -44,8 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KINDS = (("device-hours cap", "budget"), ("GPU-hours", "budget"), ("patience", "patience"), ("candidate cap", "cap"),
-         ("search space exhausted", "exhausted"))
+KINDS = (("device-hours cap", "budget"), ("GPU-hours", "budget"),  # the second: runs stopped before the rename
+         ("patience", "patience"), ("candidate cap", "cap"), ("search space exhausted", "exhausted"))
 
 
 def sample_gpus(stop: threading.Event, samples: list[tuple[float, float]]) -> None:

@@ -272,7 +272,8 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             return [bound / reps] * reps, bound / reps, lead
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
                       f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call), "
-                      f"in each of 3 runs: timings the clock refutes (the original's run beside the last: events {sum(b_samples) / reps:.4g} ms per "
+                      f"in each of {attempt + 1} run(s): timings the clock refutes (the original's run beside "
+                      f"the last: events {sum(b_samples) / reps:.4g} ms per "
                       f"call, wall {wall_b / reps:.4g} ms per repetition; the candidate's wall "
                       f"{wall_c / reps:.4g} ms; {reps} repetitions, lead {lead:.3g} ms)")
     raise AssertionError("unreachable")

@@ -81,9 +81,9 @@ class Worker:
         self.dynamo_before: dict = {}
         """dynamo's counters when the loaded candidate was imported (`op_compiled` reports the change)."""
         self.names_compile = False
+        """The loaded candidate's source names torch.compile or dynamo."""
         self.in_place: dict[tuple, Any] = {}
         """(problem, input set, control) -> the timed runs' inputs written in place, kept at one address."""
-        """The loaded candidate's source names torch.compile or dynamo."""
         self.kept: list = []
         """Output copies of the last candidate batch, until the tuner picks its sample."""
 
