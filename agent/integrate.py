@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from agent import dispatch
 from agent.history import CandidateRecord
@@ -40,8 +40,15 @@ from tools.problem import Problem, ProblemError
 from tools.runfolder import RunFolder
 from tools.trial import Candidate, Trial, error_line, verdict
 
+if TYPE_CHECKING:
+    import torch
+
+    from agent.early_baselines import EarlyBaselines
+
 MAX_TRIES = 3
 """Kept candidates tried per region, best first."""
+LIMITS = Limits(compile_s=900, run_s=900, time_s=600)
+"""A way of running the whole model may compile for minutes (max-autotune)."""
 NOT_FASTER = "not faster than the original beyond the noise band"
 BASELINES: dict[str, str | None] = {"torch.compile": None,
                                     "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
@@ -100,15 +107,9 @@ def compile_candidate(mode: str | None) -> Candidate:
                      planner="torch.compile", template="torch_compile", params={"mode": mode})
 
 
-def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, *,
-              max_tries: int = MAX_TRIES, limits: Limits | None = None, memory_gb: float = 8.0,
-              on_note: Callable[[str], None] = lambda note: None, modes: list[str] | None = None,
-              cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None,
-              on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None) -> IntegrationResult:
-    """`modes`: the torch.compile baselines to time (names of BASELINES; default all). `on_step`:
-    a line per trial as it ends (what it was, its verdict, where its seconds went); `on_in_flight`
-    gets a callable saying what the running ways are doing."""
-    run = run if isinstance(run, RunFolder) else RunFolder.open(Path(run))
+def whole_model(run: RunFolder, device: str | None) -> tuple[Problem, Path, torch.device, str]:
+    """The run's whole-model problem, its folder, the device to run it on and that device's
+    worker name; a UserError when the problem or its model file is gone or changed."""
     folder = run.path / MODEL_DIR
     try:
         model = Problem.load(folder)
@@ -119,7 +120,26 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     if file_sha256(Path(model.model_file)) != model.model_hash:
         raise UserError(f"{model.model_file} changed since the run was frozen (hash mismatch): profile again")
     dev = resolve_device(device or model.device)
-    worker_device = "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    return model, folder, dev, "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+
+
+def baseline_ways(modes: list[str] | None) -> list[tuple[str, Candidate]]:
+    """torch.compile of the untouched model in each chosen mode (names of BASELINES; None: all)."""
+    return [(name, compile_candidate(mode)) for name, mode in BASELINES.items() if modes is None or name in modes]
+
+
+def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, *,
+              max_tries: int = MAX_TRIES, limits: Limits | None = None, memory_gb: float = 8.0,
+              on_note: Callable[[str], None] = lambda note: None, modes: list[str] | None = None,
+              cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None,
+              on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None,
+              early: EarlyBaselines | None = None) -> IntegrationResult:
+    """`modes`: the torch.compile baselines to time (names of BASELINES; default all). `on_step`:
+    a line per trial as it ends (what it was, its verdict, where its seconds went); `on_in_flight`
+    gets a callable saying what the running ways are doing. `early`: the baselines started
+    beside the search (agent/early_baselines.py); the ways it finished are not run again."""
+    run = run if isinstance(run, RunFolder) else RunFolder.open(Path(run))
+    model, folder, dev, worker_device = whole_model(run, device)
     notes: list[str] = []
 
     def note(text: str) -> None:
@@ -151,7 +171,7 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
         plans.append((expected_gain(p.share_of_model, score), score, p, tries, gens))
     plans.sort(key=lambda x: (-x[0], -x[1]))
 
-    lim = limits or Limits(compile_s=900, run_s=900, time_s=600)
+    lim = limits or LIMITS
     # One worker verifies or times at a time, on the CPU too; the others only compile. On a GPU,
     # across every tuner of the host too (sandbox/device_lock.py).
     pool = DevicePool(worker_device, [folder], limits=lim, memory_gb=memory_gb, cpu_lock=True)
@@ -186,15 +206,21 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
         ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
         if dev.type == "cuda" and cuda_graphs:  # the integration step for launch-bound workloads
             ways.append(("graphed", graphed_candidate(routes)))
-        if baselines:
-            chosen = [(name, mode) for name, mode in BASELINES.items() if modes is None or name in modes]
-            ways += [(name, compile_candidate(mode)) for name, mode in chosen]
+        chosen = [name for name in BASELINES if modes is None or name in modes] if baselines else []
+        if chosen:
+            if early is None:
+                ways += baseline_ways(chosen)
             if routes:  # our kernels inside the compiled model, the way a torch.compile user runs it
-                ways += [(composed_name(name), composed_candidate(routes, mode)) for name, mode in chosen]
-        elif dev.type == "cpu":
+                ways += [(composed_name(name), composed_candidate(routes, BASELINES[name])) for name in chosen]
+        elif dev.type == "cpu" and not baselines:
             note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
         runner.worker.kill()
         trials = _side_by_side(pool, ways, on_step, draw)
+        if chosen and early is not None:  # started beside the search: waited for only now
+            trials.update({n: t for n, t in early.result(on_in_flight).items() if n in chosen})
+            on_in_flight(pool.in_flight)
+            if missing := [w for w in baseline_ways(chosen) if w[0] not in trials]:
+                trials.update(_side_by_side(pool, missing, on_step, draw))
         final = trials["tuned"]
         if final.status.value != "ok":
             raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")

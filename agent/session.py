@@ -176,15 +176,20 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
         progress.trial(trial)
 
     outcome, budget, interrupted = None, None, False
+    early = _early_baselines(run, settings.devices, req, note, lambda line: progress.write(f"integration: {line}"))
     try:
         outcome, budget = run_tune(run, settings.planner, settings.devices, rule, on_trial=on_trial, on_note=note,
                                    llm_model=settings.llm_model, base_url=settings.base_url,
                                    executor_name=settings.executor, ray_address=settings.ray_address,
                                    workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget,
-                                   on_in_flight=lambda f: setattr(progress, "in_flight", f))
+                                   on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)))
     except KeyboardInterrupt:  # a second signal during the search: stopped, not cleanly
         interrupted = True
         outcome = Outcome("interrupted (a second signal)", 0, 0)
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
     finally:
         if outcome is None:
             progress.close("session ended with an error")
@@ -193,17 +198,20 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
         settings.generations = outcome.generations
         run.update_options(**{SETTINGS_KEY: settings.model_dump()})
     integration = None
-    if req.integrate and not interrupted and seen.trials:
-        try:
+    try:
+        if req.integrate and not interrupted and seen.trials:
             progress.phase("integrating: the winners routed into the model and verified end to end, then every way "
                            "of running it (eager, CUDA graph, each torch.compile mode with and without our kernels) "
                            "compiled side by side and timed one by one")
             integration = _integrate(run, settings.devices, req.baselines, note,
                                      lambda line: progress.write(f"integration: {line}"),
-                                     lambda f: setattr(progress, "in_flight", f))
-        except KeyboardInterrupt:
-            interrupted = True
-            note("integration interrupted: the search's results are kept; run agent integrate RUN later")
+                                     lambda f: setattr(progress, "in_flight", f), early)
+    except KeyboardInterrupt:
+        interrupted = True
+        note("integration interrupted: the search's results are kept; run agent integrate RUN later")
+    finally:
+        if early is not None:
+            early.close()
     report_path = None
     try:
         report_path = report.write(run)
@@ -224,16 +232,46 @@ def _timing_kind(problems, devices: str | None) -> str:
     return "cpu" if all(p.device == "cpu" for p in problems) and on_cpu else "cuda"  # cpu@a,cpu@b is the CPU too
 
 
+def _with(in_flight: Callable[[], list[str]], early) -> Callable[[], list[str]]:
+    """The live view's 'now:' of the search, and of the compile baselines running beside it."""
+    return in_flight if early is None else lambda: in_flight() + early.in_flight()
+
+
+def _integration_device(run: RunFolder, devices: str | None, baselines: bool | None) -> tuple[str | None, bool, bool]:
+    """Where integration runs (the first device asked for), whether that is a GPU, and whether
+    it times the compile baselines (by default on a GPU only)."""
+    device = (devices or "").split(",")[0].partition("@")[0].strip() or None
+    on_gpu = (device or "").startswith("cuda") or (not device and cuda_run(run))
+    return device, on_gpu, on_gpu if baselines is None else baselines
+
+
+def _early_baselines(run: RunFolder, devices: str | None, req: TuneRequest, note: Callable[[str], None],
+                     on_step: Callable[[str], None]):
+    """The compile baselines started beside the search (agent/early_baselines.py), on a GPU when
+    integration will time them; None otherwise, or when they cannot start (integration then
+    runs them itself)."""
+    device, on_gpu, want = _integration_device(run, devices, req.baselines)
+    if not (req.integrate and on_gpu and want):
+        return None
+    from agent.early_baselines import EarlyBaselines
+    try:
+        early = EarlyBaselines(run, device, on_step=on_step)
+    except (UserError, ProblemError, OSError) as e:
+        note(f"compile baselines not started beside the search: {e}")
+        return None
+    on_step("compiling every torch.compile mode of the untouched model beside the search")
+    return early.start()
+
+
 def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note: Callable[[str], None],
-               on_step: Callable[[str], None] = lambda line: None, on_in_flight=lambda f: None):
+               on_step: Callable[[str], None] = lambda line: None, on_in_flight=lambda f: None, early=None):
     """Integration after a search: the result, or one line saying why there is none (a search
     that found something must not end in a traceback because the end-to-end check could not run)."""
     from agent.integrate import IntegrationError, integrate
-    device = (devices or "").split(",")[0].partition("@")[0].strip() or None
-    on_gpu = (device or "").startswith("cuda") or (not device and cuda_run(run))
-    want = on_gpu if baselines is None else baselines
+    device, _, want = _integration_device(run, devices, baselines)
     try:
-        return integrate(run, device, baselines=want, on_step=on_step, on_in_flight=on_in_flight)  # its notes are part of the result
+        return integrate(run, device, baselines=want, on_step=on_step, on_in_flight=on_in_flight,
+                         early=early)  # its notes are part of the result
     except (IntegrationError, UserError, ProblemError) as e:
         note(f"integration: {e}")
         return f"not integrated: {e}"

@@ -3,7 +3,9 @@
 It owns what the runners of one device share: the device's lock (on a GPU a `DeviceLock`, held
 across every tuner of the host while one worker verifies or times; none on the CPU, where lanes
 time side by side), one reference worker (which never runs candidate code), and `workers`
-`TrialRunner`s, siblings of each other, so the others stop while one times (`TrialRunner.quiet`).
+`TrialRunner`s, siblings of each other, so the others stop while one times (`TrialRunner.quiet`);
+on a GPU (and for CPU pools that lock), siblings of every other such pool's runners in this
+process too.
 `run` takes a free runner and returns a `Trial`, always: a harness error costs that trial
 (status `lost`), not the night. Each trial is charged the device seconds no sibling was charged
 already, so a device costs its wall time, never more.
@@ -19,6 +21,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -27,6 +30,34 @@ from sandbox.device_lock import DeviceLock
 from sandbox.reference import ReferenceWorker
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Status, Trial
+
+
+_LOCKS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_RUNNERS: dict[str, list[TrialRunner]] = {}
+_SHARED = threading.Lock()
+
+
+class _CpuLock:  # a threading.Lock cannot be weakly referenced
+    def __init__(self):
+        self.inner = threading.Lock()
+
+    def __enter__(self):
+        self.inner.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.inner.release()
+
+
+def _shared(device: str) -> tuple[Any, list[TrialRunner]]:
+    """One lock object and one sibling list per device in this process, for every pool on a GPU
+    and every CPU pool that locks (integration's ways, its early baselines): each times alone
+    with all the others' workers stopped, as the runners of one pool do."""
+    with _SHARED:
+        lock = _LOCKS.get(device)
+        if lock is None:
+            lock = _LOCKS[device] = DeviceLock(device) if device != "cpu" else _CpuLock()
+        return lock, _RUNNERS.setdefault(device, [])
 
 
 class DevicePool:
@@ -40,13 +71,16 @@ class DevicePool:
         self.device, self.label = device, label or device
         self.limits, self.memory_gb = limits or Limits(), memory_gb
         self.problem_dirs = [Path(d) for d in problem_dirs]
-        self.lock = DeviceLock(device) if device != "cpu" else threading.Lock() if cpu_lock else None
+        self.siblings: list[TrialRunner] = []
+        """Each runner's `siblings`: this pool's runners, and every other locking pool's on the device."""
+        self.lock: Any = None
+        if device != "cpu" or cpu_lock:
+            self.lock, self.siblings = _shared(device)
         self.reference = ReferenceWorker(WorkerConfig(device=device, memory_gb=memory_gb))
         self.runners: list[TrialRunner] = []
-        """Every runner of the pool; also each runner's `siblings` (one list, so a runner added
-        later is every runner's sibling at once)."""
+        """Every runner of the pool."""
         for _ in range(workers):
-            self.runners.append(self._runner())
+            self._add(self._runner())
         self.free: queue.Queue[TrialRunner] = queue.Queue()
         for r in self.runners:
             self.free.put(r)
@@ -60,8 +94,26 @@ class DevicePool:
                         device_lock=self.lock, reference=self.reference)
         for d in self.problem_dirs:
             r.add_problem(d)
-        r.siblings = self.runners
+        r.siblings = self.siblings  # one list: a runner added later is every runner's sibling at once
         return r
+
+    def _add(self, r: TrialRunner) -> None:
+        self.runners.append(r)
+        with _SHARED:
+            self.siblings.append(r)
+
+    def _remove(self, r: TrialRunner) -> None:
+        if r in self.runners:
+            self.runners.remove(r)
+        self._leave([r])
+
+    def _leave(self, runners: list[TrialRunner]) -> None:
+        """Out of the sibling list (on a GPU shared with other pools: a closed pool's workers
+        are not stopped or waited for)."""
+        with _SHARED:
+            for r in runners:
+                if r in self.siblings:
+                    self.siblings.remove(r)
 
     # -- running -----------------------------------------------------------------------------
     def run(self, candidate: Candidate, candidate_path: str = "", *,
@@ -115,15 +167,19 @@ class DevicePool:
         """`n` more runners on this device while the block runs: the pool's problems, lock and
         reference worker, siblings of its runners; never handed out by `run`. Closed after it."""
         extra = [self._runner() for _ in range(n)]
-        self.runners.extend(extra)
+        for r in extra:
+            self._add(r)
         try:
             yield extra
         finally:
             for r in extra:
-                self.runners.remove(r)
+                self._remove(r)
                 r.close()
 
     def close(self) -> None:
+        """Every worker closed (again, when called again: a trial running in another thread may
+        have started one since)."""
+        self._leave(self.runners)
         for r in list(self.runners):
             r.close()
         self.reference.close()

@@ -90,6 +90,7 @@ def _try(run, source: str, do_time: bool = True):
 
 @pytest.mark.alone
 def test_a_compiled_candidate_and_the_compile_baseline_time_like_standalone_compile(run):
+    from agent.early_baselines import EarlyBaselines
     from agent.integrate import integrate
     standalone = _standalone()
     assert standalone > 1.8, f"standalone torch.compile is only {standalone:.2f}x here: the model proves nothing"
@@ -97,12 +98,33 @@ def test_a_compiled_candidate_and_the_compile_baseline_time_like_standalone_comp
     assert trial.status.value == "ok", trial.reason
     assert not trial.compile_fallback, trial.compile_fallback
     assert trial.dynamo["regions"] == [1] and trial.dynamo["graphs"] >= 1
-    result = integrate(run.path, "cpu", baselines=True, modes=["torch.compile"], cuda_graphs=False)
+    # The baseline as a tune gets it: compiled, verified and timed beside the search (which is
+    # the compiled candidate's trial here), then only picked up by integration.
+    early_steps, steps = [], []
+    early = EarlyBaselines(run, "cpu", modes=["torch.compile"], on_step=early_steps.append).start()
+    result = integrate(run.path, "cpu", baselines=True, modes=["torch.compile"], cuda_graphs=False,
+                       early=early, on_step=steps.append)
+    early.close()
+    assert any(s.startswith("torch.compile: ok") for s in early_steps), early_steps
+    assert not any("torch.compile" in s for s in steps), steps  # not compiled or timed again
     baseline = result.workloads[0].baseline_speedups["torch.compile"]
     assert result.baseline_fallbacks == {}, result.baseline_fallbacks
     # At least 60% of what the compiler gives standalone (on the old code both read about 1.0x).
     assert trial.speedup >= 0.6 * standalone, (trial.speedup, standalone)
     assert baseline >= 0.6 * standalone, (baseline, standalone)
+
+
+def test_baselines_that_could_not_run_beside_the_search_are_run_by_integration(run):
+    from agent.early_baselines import EarlyBaselines
+    from agent.integrate import integrate
+    early = EarlyBaselines(run, "cpu", modes=["torch.compile"])
+    early.close()  # never started (a search interrupted at once): nothing to pick up
+    assert all(not r.worker.alive for r in early.pool.runners)
+    steps = []
+    result = integrate(run.path, "cpu", baselines=True, modes=["torch.compile"], cuda_graphs=False,
+                       early=early, on_step=steps.append)
+    assert any(s.startswith("torch.compile: ok") for s in steps), steps
+    assert result.workloads[0].baselines["torch.compile"] is not None
 
 
 def test_a_compiled_way_that_runs_eager_is_labelled_so(run):

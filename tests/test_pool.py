@@ -58,22 +58,36 @@ def test_runners_of_one_pool_are_siblings_sharing_one_lock_and_one_reference(pro
     gpu = DevicePool("cuda:0", [problem_dir], workers=3, limits=LIMITS)  # no worker starts before a trial
     cpu = DevicePool("cpu", [problem_dir], workers=2, limits=LIMITS)
     ways = DevicePool("cpu", [problem_dir], limits=LIMITS, cpu_lock=True)
+    # Another pool on the same GPU in this process (integration's early compile baselines beside
+    # the search): one lock object and one sibling list, so either pool's timing stops the other's
+    # workers; another GPU is apart.
+    beside = DevicePool("cuda:0", [problem_dir], limits=LIMITS, cpu_lock=True)
+    other_gpu = DevicePool("cuda:1", [problem_dir], limits=LIMITS)
     try:
         assert isinstance(gpu.lock, DeviceLock) and len(gpu.runners) == 3
         for pool in (gpu, cpu, ways):
             for r in pool.runners:
-                assert r.siblings is pool.runners and r.reference is pool.reference and not r.own_reference
+                assert r.reference is pool.reference and not r.own_reference
                 assert set(r.problems) == {REGION} and r.limits is LIMITS
+        for pool in (cpu, ways):
+            assert all(r.siblings == pool.runners for r in pool.runners)
+        assert beside.lock is gpu.lock and other_gpu.lock is not gpu.lock
+        assert all(r.siblings == [*gpu.runners, *beside.runners] for r in gpu.runners + beside.runners)
+        assert other_gpu.runners[0].siblings == other_gpu.runners
         assert all(r.device_lock is gpu.lock for r in gpu.runners)
+        with beside.extra_runners(1) as extra:
+            assert gpu.runners[0].siblings[-1] is extra[0] and extra[0].device_lock is gpu.lock
+        beside.close()
+        assert gpu.runners[0].siblings == gpu.runners  # a closed pool's workers are nobody's siblings
         # CPU lanes time side by side: no lock between them, so none stops another (TrialRunner.quiet)
         assert cpu.lock is None and cpu.runners[0].device_lock is not cpu.runners[1].device_lock
         with ways.extra_runners(2) as extra:
             assert ways.runners == [ways.runners[0], *extra]
             assert all(r.device_lock is ways.lock and r.reference is ways.reference for r in extra)
-            assert all(r.siblings is ways.runners for r in ways.runners)
+            assert all(r.siblings == ways.runners for r in ways.runners)
         assert len(ways.runners) == 1 and ways.free.qsize() == 1  # extra runners are never handed out
     finally:
-        for pool in (gpu, cpu, ways):
+        for pool in (gpu, cpu, ways, beside, other_gpu):
             pool.close()
 
 

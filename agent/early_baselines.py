@@ -1,0 +1,75 @@
+"""torch.compile of the untouched model, compiled, verified and timed while the search runs.
+
+The compile baselines do not depend on what the search finds, and max-autotune alone compiles
+for minutes: started beside the search, integration waits only for what is left of them. Each
+way is the same trial as in integration (a worker of its own, verified on one draw of fresh
+inputs, timed side by side with eager under the device lock). On a GPU its pool shares the
+search's lock and sibling list (sandbox/pool.py): while a search trial times, these workers'
+compiles are stopped, and while one of these times, the search's workers are.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from sandbox.pool import DevicePool
+from tools.runfolder import RunFolder
+from tools.trial import Status, Trial
+
+
+class EarlyBaselines:
+    def __init__(self, run: RunFolder, device: str | None, modes: list[str] | None = None,
+                 on_step: Callable[[str], None] = lambda line: None, memory_gb: float = 8.0):
+        """`modes`: names of integrate.BASELINES (None: all). Checks the run's whole-model
+        problem now (a UserError as integration would raise); starts nothing until `start`."""
+        from agent.integrate import LIMITS, baseline_ways, whole_model
+        _, folder, _, self.device = whole_model(run, device)
+        self.ways = baseline_ways(modes)
+        self.on_step = on_step
+        self.pool = DevicePool(self.device, [folder], limits=LIMITS, memory_gb=memory_gb, cpu_lock=True)
+        self.trials: dict[str, Trial] = {}
+        self.thread = threading.Thread(target=self._run, name="early-baselines", daemon=True)
+        self.closed = False
+
+    def start(self) -> "EarlyBaselines":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        from agent.integrate import _side_by_side
+        t0 = time.monotonic()
+        try:
+            self.trials = _side_by_side(self.pool, self.ways, self.on_step)
+            self.on_step(f"compile baselines done, beside the search, in {time.monotonic() - t0:.0f}s")
+        except Exception as e:  # integration runs what is missing itself
+            if not self.closed:
+                self.on_step(f"compile baselines beside the search failed ({type(e).__name__}: {e}); "
+                             "integration runs them")
+        finally:
+            self.pool.close()
+
+    def in_flight(self) -> list[str]:
+        return self.pool.in_flight()
+
+    def result(self, on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None) -> dict[str, Trial]:
+        """The ways' trials once they end (waits); a way whose harness failed is left out, so
+        integration runs it itself."""
+        if self.thread.is_alive():
+            on_in_flight(self.in_flight)
+            self.thread.join()
+        return {n: t for n, t in self.trials.items() if t.status is not Status.lost}
+
+    def close(self) -> None:
+        """Stop it (the search was interrupted, or nothing will be integrated)."""
+        self.closed = True
+        if self.thread.ident is None:  # never started
+            self.pool.close()
+            return
+        deadline = time.monotonic() + 60
+        while True:  # a way may start a worker again after a close: close until the thread ends
+            self.pool.close()
+            self.thread.join(timeout=1.0)
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                return
