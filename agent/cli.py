@@ -239,7 +239,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         _emit_json(result.summary())
     else:
         if result.integration is not None and not isinstance(result.integration, str):
-            from agent.integrate import render
+            from agent.report.integration_view import render
             out.print()
             out.print(render(result.integration))
         _say(f"\nstopped: {result.outcome.stop_reason}. report: {result.report}")
@@ -264,7 +264,8 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
     folder.check_store()
     from agent.jobs import check_run_jail
     check_run_jail(run)
-    from agent.integrate import IntegrationError, integrate, render
+    from agent.integrate import IntegrationError, integrate
+    from agent.report.integration_view import render
     want = baselines if baselines is not None else (
         (device or "").startswith("cuda") or (not device and cuda_run(folder)))
     try:

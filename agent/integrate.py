@@ -4,14 +4,16 @@ The whole model is one more problem (`runs/<run>/model/`, region path "", a tole
 workload), and everything here is a candidate for it, run through the same sealed trial path
 as any region (sandbox/runner.py): load, verify, time.
 
-    regions, by expected gain (share of model x (1 - 1/speedup)):
-        for its kept winners (faster beyond the noise band), best first (at most 3):
-            candidate = the model with the accepted set plus this one routed in
-            verified end to end?  accept it, next region
-            otherwise: dropped, with the trial's reason; try the next best
-    the final tuned model (or the untouched one, when nothing was accepted) timed against
-    the untouched model (A/A noise band included), and torch.compile of the untouched model
-    in each mode when asked, each as a candidate timed the same way
+    each region's best winner (a per-shape dispatcher first, where one is at least as fast on
+    every workload), all routed in at once: every way of running the model compiled side by
+    side (tuned, its CUDA graph, each torch.compile mode alone and with our kernels inside),
+    then each verified and timed against the untouched model (A/A noise band included)
+    the tuned model failed end to end?  (errors that compound)
+        regions by expected gain (share of model x (1 - 1/speedup)), their winners best first
+        (at most 3): routed in after the ones accepted so far, verified; the first that passes
+        is accepted, the rest dropped with the reason; then every way again with those
+    the compile modes of the untouched model come from the search's early baselines where a
+    tune started them (agent/early_baselines.py)
 
 The result is `runs/<run>/integration.json` (tools/e2e.py).
 """
@@ -30,7 +32,6 @@ from agent.history import CandidateRecord
 from agent.jobs import UserError, resolve_device
 from agent.loop import load_history
 from agent.prompting import render_code
-from agent.report.numbers import standings
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
 from tools.capture import MODEL_DIR
@@ -38,7 +39,7 @@ from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, Workl
 from tools.modelfile import file_sha256
 from tools.problem import Problem, ProblemError
 from tools.runfolder import RunFolder
-from tools.trial import Candidate, Trial, error_line, verdict
+from tools.trial import Candidate, Trial
 
 if TYPE_CHECKING:
     import torch
@@ -177,45 +178,52 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     pool = DevicePool(worker_device, [folder], limits=lim, memory_gb=memory_gb, cpu_lock=True)
     on_in_flight(pool.in_flight)
     runner = pool.runners[0]
-    accepted: list[tuple[Problem, CandidateRecord, str]] = []
     # One draw of fresh inputs and perturbed parameters for every check of the model here (each
     # winner routed in, then every way of running it): each worker sees the seeds only when it is
     # verified, and the reference worker computes the original's answers once, not per check
     # (with KV caches among the outputs, gigabytes per input set).
     draw = (seed(), seed())
+    chosen = [name for name in BASELINES if modes is None or name in modes] if baselines else []
+    if dev.type == "cpu" and not baselines:
+        note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
+
+    def every_way(routes: list[tuple[Problem, str]]) -> list[tuple[str, Candidate]]:
+        """The tuned model, its CUDA-graph capture, each compile mode (unless `early` runs them)
+        and each with our kernels inside."""
+        ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
+        if dev.type == "cuda" and cuda_graphs:  # the integration step for launch-bound workloads
+            ways.append(("graphed", graphed_candidate(routes)))
+        if chosen and early is None:
+            ways += baseline_ways(chosen)
+        if chosen and routes:  # our kernels inside the compiled model, the way a torch.compile user runs it
+            ways += [(composed_name(name), composed_candidate(routes, BASELINES[name])) for name in chosen]
+        return ways
+
     try:
-        runner.verify_seeds = draw
+        # Every region's best winner at once first: every way of running the model, each in a
+        # worker of its own, all compiling at once, nothing timed meanwhile; then each verified
+        # and timed against the untouched model, one after another. Only when that tuned model
+        # fails end to end are the winners routed in one by one (errors that compound).
+        sourced = []
         for _, _, p, tries, gens in plans:
+            readable = []
             for rec in tries:
                 source, why = _source(run, rec)
                 if source is None:
                     dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash, reason=why))
-                    continue
-                trial = runner.run(routed_candidate([(q, s) for q, _, s in accepted] + [(p, source)]), do_time=False)
-                on_step(f"{p.name} {rec.candidate_hash} routed in: {trial.status.value} end to end; {_phases(trial)}")
-                if trial.status.value != "ok":
-                    dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash,
-                                                    reason=_end_to_end(trial)))
-                    continue
-                accepted.append((p, rec, source))
-                break
-        routes = [(q, s) for q, _, s in accepted]
-        # Every way of running the model, each in a worker of its own: all compile at once (the
-        # tuned model's Triton kernels, each torch.compile mode), nothing timed meanwhile; then
-        # each is verified and timed against the untouched model, one after another.
-        ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
-        if dev.type == "cuda" and cuda_graphs:  # the integration step for launch-bound workloads
-            ways.append(("graphed", graphed_candidate(routes)))
-        chosen = [name for name in BASELINES if modes is None or name in modes] if baselines else []
-        if chosen:
-            if early is None:
-                ways += baseline_ways(chosen)
-            if routes:  # our kernels inside the compiled model, the way a torch.compile user runs it
-                ways += [(composed_name(name), composed_candidate(routes, BASELINES[name])) for name in chosen]
-        elif dev.type == "cpu" and not baselines:
-            note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
+                else:
+                    readable.append((rec, source))
+            if readable:
+                sourced.append((p, readable))
+        accepted = [(p, *readable[0]) for p, readable in sourced]
         runner.worker.kill()
-        trials = _side_by_side(pool, ways, on_step, draw)
+        trials = _side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw,
+                               keep_answers=True, first_must_pass=bool(accepted))
+        if accepted and trials["tuned"].status.value != "ok":
+            on_step(f"the winners together failed end to end ({_end_to_end(trials['tuned'])}): routed in one by one")
+            accepted = _one_by_one(runner, sourced, draw, dropped, on_step)
+            runner.worker.kill()
+            trials = _side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw)
         if chosen and early is not None:  # started beside the search: waited for only now
             trials.update({n: t for n, t in early.result(on_in_flight).items() if n in chosen})
             on_in_flight(pool.in_flight)
@@ -271,6 +279,27 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     return result
 
 
+def _one_by_one(runner: TrialRunner, sourced: list, draw: tuple[int, int], dropped: list[DroppedCandidate],
+                on_step: Callable[[str], None]) -> list[tuple[Problem, CandidateRecord, str]]:
+    """Each region's winners routed in after the ones accepted so far, best first, verified end
+    to end (untimed): the first that passes is accepted, the others are dropped with the reason."""
+    accepted: list[tuple[Problem, CandidateRecord, str]] = []
+    runner.verify_seeds = draw
+    try:
+        for p, readable in sourced:
+            for rec, source in readable:
+                trial = runner.run(routed_candidate([(q, s) for q, _, s in accepted] + [(p, source)]), do_time=False)
+                on_step(f"{p.name} {rec.candidate_hash} routed in: {trial.status.value} end to end; {_phases(trial)}")
+                if trial.status.value == "ok":
+                    accepted.append((p, rec, source))
+                    break
+                dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash,
+                                                reason=_end_to_end(trial)))
+    finally:
+        runner.verify_seeds = None
+    return accepted
+
+
 PARALLEL_LOADS = 8
 """Ways of running the model compiled at once (each a worker holding the model on the device):
 the usual eight (tuned, its CUDA-graph capture, three compile modes, each with our kernels
@@ -278,14 +307,21 @@ inside) in one batch, since a second batch waits out another compile of minutes.
 
 
 def _side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: Callable[[str], None],
-                  draw: tuple[int, int] | None = None) -> dict[str, Trial]:
+                  draw: tuple[int, int] | None = None, keep_answers: bool = False,
+                  first_must_pass: bool = False) -> dict[str, Trial]:
     """Each way in a fresh worker of its own (the first in the pool's runner, the rest in the
     pool's extra runners, which share its reference worker and device lock): preloaded in
     batches of PARALLEL_LOADS, then each batch verified and timed one by one, every way on the
-    one draw of fresh inputs and perturbed parameters `draw` (a new one when not given)."""
+    one draw of fresh inputs and perturbed parameters `draw` (a new one when not given). The
+    reference worker's answers for it are dropped after, unless `keep_answers`. With
+    `first_must_pass`, the others are not verified or timed when the first way fails."""
     runner = pool.runners[0]
     trials: dict[str, Trial] = {}
     draw = draw or (seed(), seed())
+
+    def first_failed() -> bool:
+        first = trials.get(ways[0][0]) if ways else None
+        return first_must_pass and first is not None and first.status.value != "ok"
     try:
         for at in range(0, len(ways), PARALLEL_LOADS):
             batch = ways[at:at + PARALLEL_LOADS]
@@ -294,15 +330,18 @@ def _side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: 
                 runners = own + extra
                 for r in runners:
                     r.verify_seeds = draw
-                _batch(runners, batch, trials, on_step, keep=runner)
+                _batch(runners, batch, trials, on_step, keep=runner, stop=first_failed)
+                if first_failed():
+                    break
     finally:
         runner.verify_seeds = None
-        pool.reference.kept.clear()
+        if not keep_answers:
+            pool.reference.kept.clear()
     return trials
 
 
 def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trials: dict[str, Trial],
-           on_step: Callable[[str], None], keep: TrialRunner) -> None:
+           on_step: Callable[[str], None], keep: TrialRunner, stop: Callable[[], bool] = lambda: False) -> None:
     """Preload the batch's ways at once, then verify and time each; every worker but `keep`'s
     is closed after its trial, so its device memory goes before the next one times."""
     t0 = time.monotonic()
@@ -313,6 +352,8 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
         t.join()
     on_step(f"compiled {', '.join(n for n, _ in batch)} side by side in {time.monotonic() - t0:.0f}s")
     for r, (name, c) in zip(runners, batch):
+        if stop():
+            break
         trial = trials[name] = r.run(c)
         # Each workload's numbers as soon as they exist: a run stopped later still has them.
         per = "\n    ".join(f"{t.workload} {t.baseline_ms:.4g} -> {t.candidate_ms:.4g} ms ±{t.noise_band:.1%} "
@@ -352,76 +393,3 @@ def _source(run: RunFolder, rec: CandidateRecord) -> tuple[str | None, str]:
     if hashlib.sha256(source.encode()).hexdigest()[:16] != rec.candidate_hash:
         return None, f"source changed: {path} no longer has the content that was tried"
     return source, ""
-
-
-def render(result: IntegrationResult, console_width: int | None = None):
-    """The end-to-end table for the terminal (rich): per workload eager, tuned, speedup (or "no
-    change" inside the noise band), baselines, and the error against the end-to-end tolerance;
-    then what was kept and dropped."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-    kind = "CPU timings, not GPU numbers" if result.timing_kind == "cpu" else f"GPU timings, {result.device_name}"
-    names = list(dict.fromkeys(n for w in result.workloads for n in w.baselines))
-    table = Table(title=f"end to end ({kind})", title_justify="left")
-    for col in ("workload", "eager ms", "tuned ms", "speedup", "noise band", *[f"{n} ms" for n in names],
-                "error / tolerance"):
-        table.add_column(col, justify="left" if col in ("workload", "error / tolerance") else "right")
-    for w in result.workloads:
-        cells = [w.name, f"{w.eager_ms:.4f}", _ms(w.tuned_ms), _verdict(w) + ("" if result.accepted else " (A/A)"),
-                 f"±{w.noise_band:.1%}"]
-        for n in names:
-            ms, sp = w.baselines.get(n), w.baseline_speedups.get(n)
-            cells.append("failed" if ms is None else f"{ms:.4f} ({sp:.2f}x)" if sp else f"{ms:.4f}")
-        cells.append(f"{w.error:.3g} / {w.tolerance}" if w.error is not None else f"- / {w.tolerance}")
-        table.add_row(*cells)
-    lines = [table]
-    if result.speedup:
-        band = result.noise_band or 0.0
-        said = "no change" if verdict(result.speedup, band) == "no change" else f"{result.speedup:.2f}x"
-        aa = "" if result.accepted or said == "no change" else (
-            ": nothing was applied, so this is the untouched model against itself in another worker, the "
-            "measurement's own cross-process offset on this machine, not a change")
-        lines.append(Text(f"weighted end-to-end: {said} (noise band ±{band:.1%})"
-                          + (" (CPU timing)" if result.timing_kind == "cpu" else "") + aa))
-    for a in result.accepted:
-        lines.append(Text(f"applied {a.region}: {a.candidate_hash} ({a.template or a.planner}, region "
-                          f"{a.region_speedup:.2f}x, {a.instances} instance{'s' * (a.instances != 1)})"))
-    for d in result.dropped:
-        lines.append(Text(f"dropped {d.region} {d.candidate_hash}: {d.reason}"))
-    for name, text in result.baseline_errors.items():
-        lines.append(Text(f"baseline {name} failed: {error_line(text)}"))
-    for name, why in result.baseline_fallbacks.items():
-        lines.append(Text(f"{name}: torch.compile {why} (dynamo: {_counts(result.dynamo.get(name.split(' (')[0]))})"))
-    for w in result.workloads:
-        lines.append(Text(f"{w.name}: {standings(w)[1]}"))
-    for n in result.notes:
-        lines.append(Text(f"note: {n}"))
-    return Group(*lines)
-
-
-def _counts(info: dict | None) -> str:
-    if not info:
-        return "no counters"
-    return (f"{info.get('graphs', 0)} graphs, {info.get('graph_breaks', 0)} breaks, "
-            f"{info.get('recompiles', 0)} recompiles, compiled regions per call {info.get('regions')}")
-
-
-def _verdict(w: WorkloadResult) -> str:
-    if not w.speedup:
-        return "-"
-    return "no change" if w.verdict == "no change" else f"{w.speedup:.2f}x"
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
-def summary(result: IntegrationResult) -> dict:
-    """What `agent tune --json` prints about integration."""
-    return {"speedup": result.speedup, "noise_band": result.noise_band, "timing_kind": result.timing_kind,
-            "accepted": [a.region for a in result.accepted],
-            "dropped": [{"region": d.region, "candidate": d.candidate_hash, "reason": d.reason}
-                        for d in result.dropped],
-            "workloads": [{**w.model_dump(), "fastest": standings(w)[1]} for w in result.workloads],
-            "compile_fallbacks": result.baseline_fallbacks, "dynamo": result.dynamo}

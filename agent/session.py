@@ -74,7 +74,7 @@ class TuneResult:
         return self.exit_code == INTERRUPTED
 
     def summary(self) -> dict:
-        from agent.integrate import summary as integration_summary
+        from agent.report.integration_view import summary as integration_summary
         data = {"run": str(self.run.path), "stop_reason": self.outcome.stop_reason, "trials": self.outcome.trials_run,
                 "plans": self.outcome.plans, "best_speedup": self.outcome.best,
                 "report": str(self.report) if self.report else None, "gpu_seconds": self.gpu_seconds,

@@ -297,7 +297,7 @@ def test_an_aa_reading_beyond_its_band_is_named_the_measurements_offset_not_a_ch
     as a slowdown of anything."""
     from rich.console import Console
 
-    from agent.integrate import render
+    from agent.report.integration_view import render
     from agent.report.numbers import e2e_headline
     from tools.e2e import AcceptedRegion, IntegrationResult, WorkloadResult
     row = WorkloadResult(name="default", eager_ms=1.0, tuned_ms=1.12, speedup=0.89, noise_band=0.04, verdict="slower")
