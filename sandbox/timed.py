@@ -314,7 +314,7 @@ def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int
     if not want.ok:
         raise Refused("lost", f"the reference worker failed: {want.error}", want)
     claimed = (getattr(r, "last_checksums", None) or [None] * reps)[j]
-    seen = float(timing.checksum(got, timing.checksum_key(_elements(lp, i), s, "cpu")))
+    seen = float(timing.checksum(got, timing.checksum_period(_elements(lp, i), s, "cpu")))
     # The slack for cancellation, a float64 pass over the outputs, is only summed when it is needed.
     if claimed is None or not (math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3)
                                or math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3 + 1e-5 * _abs_sum(got))):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from sandbox import worker_tensors as T
@@ -162,3 +163,23 @@ def test_every_workload_is_spot_checked_and_not_every_round(frozen_run, monkeypa
     for got in per_trial:
         assert set(got) == set(range(n)), got  # every workload at least once
     assert sum(map(len, per_trial)) < 3 * 3 * n  # not every round of every workload
+
+
+def test_the_checksum_from_one_period_equals_the_sum_over_the_whole_key(monkeypatch):
+    """What a timed run commits to is computed a block of key periods at a time (no float32 copy
+    of all the outputs, no key as long as them): the same number as the whole key's sum, for
+    leaves of any dtype that start at any phase of the key and span several blocks."""
+    from tools import timing
+    monkeypatch.setattr(timing, "CHECKSUM_ROWS", 3)  # blocks of 3 periods: every leaf spans several
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(5, 7, generator=g), None, torch.randn(40000, generator=g).to(torch.bfloat16),
+              torch.zeros(0), torch.randn(3, 8001, generator=g).t(), torch.randint(-9, 9, (7919,), generator=g)]
+    n = sum(t.numel() for t in leaves if t is not None)
+    for seed in (1, 2**40 + 17):
+        whole = timing.checksum_key(n, seed, "cpu")
+        flat = torch.cat([t.reshape(-1).double().abs() for t in leaves if t is not None and t.numel()])
+        want = float((flat * whole.double()).sum())
+        got = float(timing.checksum(leaves, timing.checksum_period(n, seed, "cpu")))
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-5 * float(flat.sum()))
+        assert float(timing.checksum(leaves, whole)) == pytest.approx(want, rel=1e-5, abs=1e-5 * float(flat.sum()))
+    assert timing.checksum_period(10, 3, "cpu").numel() == 10 and timing.checksum_period(10**9, 3, "cpu").numel() == 7919

@@ -112,15 +112,43 @@ def checksum_key(n: int, seed: int, device: torch.device) -> torch.Tensor:
     return one.repeat(-(-n // one.numel()))[:n] if n > one.numel() else one
 
 
+def checksum_period(n: int, seed: int, device: torch.device | str) -> torch.Tensor:
+    """The key's first period (all of it for fewer than KEY_PERIOD elements): what `checksum`
+    needs, where the whole key of a KV cache's outputs is gigabytes."""
+    return checksum_key(min(max(1, n), KEY_PERIOD), seed, device)
+
+
+CHECKSUM_ROWS = 4096
+"""Key periods per pass of `checksum`: about 32M elements (128 MB in float32) at a time."""
+
+
 def checksum(leaves: list, key: torch.Tensor | None) -> torch.Tensor:
-    """sum |x_i| * key_i over the outputs, flattened in order (a 0-dim float32 tensor, on the
-    outputs' device). Nonlinear in the outputs, so it cannot be had without computing them."""
-    flat = [t.detach().reshape(-1).float().abs() for t in leaves if isinstance(t, torch.Tensor) and t.numel()]
+    """sum |x_i| * key_i over the outputs, flattened in order, the key repeating every
+    key.numel() elements (a 0-dim float32 tensor, on the outputs' device). Nonlinear in the
+    outputs, so it cannot be had without computing them. Computed a block of periods at a time
+    (rows of a matrix-vector product): no copy of all the outputs in float32, no key as long as
+    them; the harness's work around a timed call stays small beside the call, so the tuner's
+    clock can check the call (a gigabyte-sized checksum made the harness's own jitter larger
+    than a decode kernel, and honest kernels were refused)."""
+    flat = [t.detach().reshape(-1) for t in leaves if isinstance(t, torch.Tensor) and t.numel()]
     if not flat or key is None:
         return torch.zeros(())
-    x = torch.cat(flat) if len(flat) > 1 else flat[0]
-    k = key[: x.numel()] if key.numel() >= x.numel() else key.repeat(x.numel() // key.numel() + 1)[: x.numel()]
-    return (x * k).sum()
+    period = key.numel()
+    total = torch.zeros((), dtype=torch.float32, device=flat[0].device)
+    at = 0  # where this leaf starts in the flattened outputs: its phase in the key
+    for x in flat:
+        k = key.to(x.device)
+        k = k.roll(-(at % period)) if at % period else k
+        step = CHECKSUM_ROWS * period
+        for j in range(0, x.numel(), step):
+            block = x[j:j + step]
+            rows, tail = divmod(block.numel(), period)
+            if rows:
+                total += torch.mv(block[:rows * period].view(rows, period).float().abs(), k).sum()
+            if tail:
+                total += (block[rows * period:].float().abs() * k[:tail]).sum()
+        at += x.numel()
+    return total
 
 
 def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], reps: int,
@@ -135,7 +163,7 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
     calls, so the tuner can tell what the calls took from its own clock."""
     kept: list[Any] = []
     sums: list[torch.Tensor] = []
-    key = checksum_key(max(1, key_len), seed, device) if copy_out is not None else None
+    key = checksum_period(key_len, seed, device) if copy_out is not None else None
 
     spent = {"draw": 0.0, "copy": 0.0}  # host seconds of the harness's own work, for bench/trial_cost.py
 
