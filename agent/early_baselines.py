@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Callable
 
+from agent.ways import LIMITS, baseline_ways, side_by_side, whole_model
 from sandbox.pool import DevicePool
 from tools.runfolder import RunFolder
 from tools.trial import Status, Trial
@@ -22,9 +23,8 @@ from tools.trial import Status, Trial
 class EarlyBaselines:
     def __init__(self, run: RunFolder, device: str | None, modes: list[str] | None = None,
                  on_step: Callable[[str], None] = lambda line: None, memory_gb: float = 8.0):
-        """`modes`: names of integrate.BASELINES (None: all). Checks the run's whole-model
+        """`modes`: names of ways.BASELINES (None: all). Checks the run's whole-model
         problem now (a UserError as integration would raise); starts nothing until `start`."""
-        from agent.integrate import LIMITS, baseline_ways, whole_model
         _, folder, _, self.device = whole_model(run, device)
         self.ways = baseline_ways(modes)
         self.on_step = on_step
@@ -32,16 +32,25 @@ class EarlyBaselines:
         self.trials: dict[str, Trial] = {}
         self.thread = threading.Thread(target=self._run, name="early-baselines", daemon=True)
         self.closed = False
+        self.after: threading.Event | None = None
+        self.wait_s = 0.0
 
-    def start(self) -> "EarlyBaselines":
+    def start(self, after: threading.Event | None = None, wait_s: float = 120.0) -> "EarlyBaselines":
+        """Start; with `after`, only once it is set (the search's first trial ended: its workers'
+        start and first compiles are not slowed by these) or `wait_s` passed."""
+        self.after, self.wait_s = after, wait_s
         self.thread.start()
         return self
 
     def _run(self) -> None:
-        from agent.integrate import _side_by_side
+        if self.after is not None:
+            self.after.wait(self.wait_s)
+        if self.closed:
+            self.pool.close()
+            return
         t0 = time.monotonic()
         try:
-            self.trials = _side_by_side(self.pool, self.ways, self.on_step)
+            self.trials = side_by_side(self.pool, self.ways, self.on_step)
             self.on_step(f"compile baselines done, beside the search, in {time.monotonic() - t0:.0f}s")
         except Exception as e:  # integration runs what is missing itself
             if not self.closed:
@@ -64,6 +73,8 @@ class EarlyBaselines:
     def close(self) -> None:
         """Stop it (the search was interrupted, or nothing will be integrated)."""
         self.closed = True
+        if self.after is not None:
+            self.after.set()  # not waiting any longer
         if self.thread.ident is None:  # never started
             self.pool.close()
             return

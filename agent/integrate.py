@@ -22,46 +22,27 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent import dispatch
 from agent.history import CandidateRecord
-from agent.jobs import UserError, resolve_device
 from agent.loop import load_history
-from agent.prompting import render_code
+from agent.ways import (BASELINES, LIMITS, baseline_ways, composed_candidate, composed_name, graphed_candidate,
+                        phases, routed_candidate, side_by_side, whole_model)
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
-from tools.capture import MODEL_DIR
 from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
-from tools.modelfile import file_sha256
-from tools.problem import Problem, ProblemError
+from tools.problem import Problem
 from tools.runfolder import RunFolder
 from tools.trial import Candidate, Trial
 
 if TYPE_CHECKING:
-    import torch
-
     from agent.early_baselines import EarlyBaselines
 
 MAX_TRIES = 3
 """Kept candidates tried per region, best first."""
-LIMITS = Limits(compile_s=900, run_s=900, time_s=600)
-"""A way of running the whole model may compile for minutes (max-autotune)."""
 NOT_FASTER = "not faster than the original beyond the noise band"
-BASELINES: dict[str, str | None] = {"torch.compile": None,
-                                    "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
-                                    "reduce-overhead": "reduce-overhead"}
-"""Baseline name -> torch.compile mode (None: the default mode)."""
-
-
-def composed_name(baseline: str) -> str:
-    """The way of running our kernels inside a compile mode: 'nightshift + reduce-overhead'."""
-    return f"nightshift + {baseline}"
-
-
 class IntegrationError(Exception):
     """Integration could not judge the model (one line; the CLI exits 1)."""
 
@@ -71,62 +52,6 @@ def expected_gain(share: float, speedup: float | None) -> float:
     if not speedup or speedup <= 0 or not math.isfinite(speedup):
         return -math.inf
     return share * (1.0 - 1.0 / speedup)
-
-
-def routed_candidate(routes: list[tuple[Problem, str]]) -> Candidate:
-    """The whole model with each (region problem, winner source) routed into every instance of
-    the region's class."""
-    source = render_code("kernels/route_model.py.j2",
-                         routes=[{"cls": p.region_class, "source": src} for p, src in routes])
-    return Candidate(region="model", source=source, planner="integrate",
-                     params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
-                                        for p, src in routes}})
-
-
-def graphed_candidate(routes: list[tuple[Problem, str]]) -> Candidate:
-    """The same routed model, captured in a CUDA graph per input shape and replayed with the
-    inputs copied in (a replay that read stale inputs would be wrong, and is judged so)."""
-    source = render_code("kernels/route_model_graphed.py.j2",
-                         routes=[{"cls": p.region_class, "source": src} for p, src in routes])
-    return Candidate(region="model", source=source, planner="integrate", template="cuda_graph",
-                     params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
-                                        for p, src in routes}, "cuda_graph": True})
-
-
-def composed_candidate(routes: list[tuple[Problem, str]], mode: str | None) -> Candidate:
-    """The routed model under torch.compile: each winner an opaque custom op the compiler fuses
-    around (and, with reduce-overhead, captures in its CUDA graphs)."""
-    source = render_code("kernels/route_model_compiled.py.j2", mode=mode,
-                         routes=[{"cls": p.region_class, "source": src} for p, src in routes])
-    return Candidate(region="model", source=source, planner="integrate", template="torch_compile",
-                     params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
-                                        for p, src in routes}, "mode": mode})
-
-
-def compile_candidate(mode: str | None) -> Candidate:
-    return Candidate(region="model", source=render_code("kernels/torch_compile.py.j2", mode=mode, options={}),
-                     planner="torch.compile", template="torch_compile", params={"mode": mode})
-
-
-def whole_model(run: RunFolder, device: str | None) -> tuple[Problem, Path, torch.device, str]:
-    """The run's whole-model problem, its folder, the device to run it on and that device's
-    worker name; a UserError when the problem or its model file is gone or changed."""
-    folder = run.path / MODEL_DIR
-    try:
-        model = Problem.load(folder)
-    except ProblemError as e:
-        raise UserError(f"{e} (this run has no whole-model problem: profile the model again)") from None
-    if not Path(model.model_file).is_file():
-        raise UserError(f"{model.model_file}: the model file of this run is gone")
-    if file_sha256(Path(model.model_file)) != model.model_hash:
-        raise UserError(f"{model.model_file} changed since the run was frozen (hash mismatch): profile again")
-    dev = resolve_device(device or model.device)
-    return model, folder, dev, "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
-
-
-def baseline_ways(modes: list[str] | None) -> list[tuple[str, Candidate]]:
-    """torch.compile of the untouched model in each chosen mode (names of BASELINES; None: all)."""
-    return [(name, compile_candidate(mode)) for name, mode in BASELINES.items() if modes is None or name in modes]
 
 
 def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, *,
@@ -217,18 +142,18 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
                 sourced.append((p, readable))
         accepted = [(p, *readable[0]) for p, readable in sourced]
         runner.worker.kill()
-        trials = _side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw,
+        trials = side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw,
                                keep_answers=True, first_must_pass=bool(accepted))
         if accepted and trials["tuned"].status.value != "ok":
             on_step(f"the winners together failed end to end ({_end_to_end(trials['tuned'])}): routed in one by one")
             accepted = _one_by_one(runner, sourced, draw, dropped, on_step)
             runner.worker.kill()
-            trials = _side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw)
+            trials = side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw)
         if chosen and early is not None:  # started beside the search: waited for only now
             trials.update({n: t for n, t in early.result(on_in_flight).items() if n in chosen})
             on_in_flight(pool.in_flight)
             if missing := [w for w in baseline_ways(chosen) if w[0] not in trials]:
-                trials.update(_side_by_side(pool, missing, on_step, draw))
+                trials.update(side_by_side(pool, missing, on_step, draw))
         final = trials["tuned"]
         if final.status.value != "ok":
             raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
@@ -289,7 +214,7 @@ def _one_by_one(runner: TrialRunner, sourced: list, draw: tuple[int, int], dropp
         for p, readable in sourced:
             for rec, source in readable:
                 trial = runner.run(routed_candidate([(q, s) for q, _, s in accepted] + [(p, source)]), do_time=False)
-                on_step(f"{p.name} {rec.candidate_hash} routed in: {trial.status.value} end to end; {_phases(trial)}")
+                on_step(f"{p.name} {rec.candidate_hash} routed in: {trial.status.value} end to end; {phases(trial)}")
                 if trial.status.value == "ok":
                     accepted.append((p, rec, source))
                     break
@@ -298,76 +223,6 @@ def _one_by_one(runner: TrialRunner, sourced: list, draw: tuple[int, int], dropp
     finally:
         runner.verify_seeds = None
     return accepted
-
-
-PARALLEL_LOADS = 8
-"""Ways of running the model compiled at once (each a worker holding the model on the device):
-the usual eight (tuned, its CUDA-graph capture, three compile modes, each with our kernels
-inside) in one batch, since a second batch waits out another compile of minutes."""
-
-
-def _side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: Callable[[str], None],
-                  draw: tuple[int, int] | None = None, keep_answers: bool = False,
-                  first_must_pass: bool = False) -> dict[str, Trial]:
-    """Each way in a fresh worker of its own (the first in the pool's runner, the rest in the
-    pool's extra runners, which share its reference worker and device lock): preloaded in
-    batches of PARALLEL_LOADS, then each batch verified and timed one by one, every way on the
-    one draw of fresh inputs and perturbed parameters `draw` (a new one when not given). The
-    reference worker's answers for it are dropped after, unless `keep_answers`. With
-    `first_must_pass`, the others are not verified or timed when the first way fails."""
-    runner = pool.runners[0]
-    trials: dict[str, Trial] = {}
-    draw = draw or (seed(), seed())
-
-    def first_failed() -> bool:
-        first = trials.get(ways[0][0]) if ways else None
-        return first_must_pass and first is not None and first.status.value != "ok"
-    try:
-        for at in range(0, len(ways), PARALLEL_LOADS):
-            batch = ways[at:at + PARALLEL_LOADS]
-            own = [runner] if at == 0 else []
-            with pool.extra_runners(len(batch) - len(own)) as extra:  # closed after, also when a way raised
-                runners = own + extra
-                for r in runners:
-                    r.verify_seeds = draw
-                _batch(runners, batch, trials, on_step, keep=runner, stop=first_failed)
-                if first_failed():
-                    break
-    finally:
-        runner.verify_seeds = None
-        if not keep_answers:
-            pool.reference.kept.clear()
-    return trials
-
-
-def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trials: dict[str, Trial],
-           on_step: Callable[[str], None], keep: TrialRunner, stop: Callable[[], bool] = lambda: False) -> None:
-    """Preload the batch's ways at once, then verify and time each; every worker but `keep`'s
-    is closed after its trial, so its device memory goes before the next one times."""
-    t0 = time.monotonic()
-    loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]
-    for t in loads:
-        t.start()
-    for t in loads:
-        t.join()
-    on_step(f"compiled {', '.join(n for n, _ in batch)} side by side in {time.monotonic() - t0:.0f}s")
-    for r, (name, c) in zip(runners, batch):
-        if stop():
-            break
-        trial = trials[name] = r.run(c)
-        # Each workload's numbers as soon as they exist: a run stopped later still has them.
-        per = "\n    ".join(f"{t.workload} {t.baseline_ms:.4g} -> {t.candidate_ms:.4g} ms ±{t.noise_band:.1%} "
-                            f"({t.band_parts()})" for t in trial.timings)
-        on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
-                + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {_phases(trial)}"
-                + (f"\n    {per}" if per else ""))
-        if r is not keep:
-            r.worker.close()
-
-
-def _phases(trial: Trial) -> str:
-    """Where a trial's seconds went ("start 19s, load 47s, verify 42s, refs 20s, time 3s")."""
-    return ", ".join(f"{k} {v:.1f}s" if v < 10 else f"{k} {v:.0f}s" for k, v in trial.phases.items() if v >= 0.05)
 
 
 def _end_to_end(trial: Trial) -> str:

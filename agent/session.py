@@ -15,6 +15,8 @@ anything, every planner failed); 130 interrupted.
 
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -174,9 +176,12 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
     def on_trial(trial) -> None:
         seen.add(trial)
         progress.trial(trial)
+        first_trial.set()
 
     outcome, budget, interrupted = None, None, False
-    early = _early_baselines(run, settings.devices, req, note, lambda line: progress.write(f"integration: {line}"))
+    first_trial = threading.Event()
+    early = _early_baselines(run, settings.devices, req, note, lambda line: progress.write(f"integration: {line}"),
+                             first_trial)
     try:
         outcome, budget = run_tune(run, settings.planner, settings.devices, rule, on_trial=on_trial, on_note=note,
                                    llm_model=settings.llm_model, base_url=settings.base_url,
@@ -198,6 +203,7 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
         settings.generations = outcome.generations
         run.update_options(**{SETTINGS_KEY: settings.model_dump()})
     integration = None
+    first_trial.set()  # a search that tried nothing new: the baselines wait no longer
     try:
         if req.integrate and not interrupted and seen.trials:
             progress.phase("integrating: the winners routed into the model and verified end to end, then every way "
@@ -246,10 +252,10 @@ def _integration_device(run: RunFolder, devices: str | None, baselines: bool | N
 
 
 def _early_baselines(run: RunFolder, devices: str | None, req: TuneRequest, note: Callable[[str], None],
-                     on_step: Callable[[str], None]):
-    """The compile baselines started beside the search (agent/early_baselines.py), on a GPU when
-    integration will time them; None otherwise, or when they cannot start (integration then
-    runs them itself)."""
+                     on_step: Callable[[str], None], first_trial: threading.Event):
+    """The compile baselines started beside the search (agent/early_baselines.py) once its first
+    trial ends, on a GPU when integration will time them; None otherwise, or when they cannot
+    start (integration then runs them itself)."""
     device, on_gpu, want = _integration_device(run, devices, req.baselines)
     if not (req.integrate and on_gpu and want):
         return None
@@ -259,8 +265,8 @@ def _early_baselines(run: RunFolder, devices: str | None, req: TuneRequest, note
     except (UserError, ProblemError, OSError) as e:
         note(f"compile baselines not started beside the search: {e}")
         return None
-    on_step("compiling every torch.compile mode of the untouched model beside the search")
-    return early.start()
+    on_step("every torch.compile mode of the untouched model compiles beside the search from its first trial on")
+    return early.start(after=first_trial)
 
 
 def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note: Callable[[str], None],

@@ -133,7 +133,7 @@ def main() -> int:
     ap.add_argument("--standalone-only", action="store_true")
     ap.add_argument("--standalone-json", type=Path, default=None)
     args = ap.parse_args()
-    from agent.integrate import BASELINES
+    from agent.ways import BASELINES
     names = [n for n in args.modes.split(",") if n]
     unknown = [n for n in names if n not in BASELINES]
     if unknown:

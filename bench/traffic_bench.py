@@ -48,7 +48,7 @@ def tune(out: Path, args) -> Path:
 
 
 def table(result, trace: str) -> list[str]:
-    from agent.integrate import BASELINES
+    from agent.ways import BASELINES
     from agent.report.numbers import weighted_totals
     modes = [n for n in BASELINES if any(n in w.baselines for w in result.workloads)]
     unit = "CPU ms" if result.timing_kind == "cpu" else "ms"

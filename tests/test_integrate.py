@@ -124,7 +124,7 @@ def test_the_whole_model_is_one_more_problem_on_the_same_trial_path(run):
     the first layer, again in the second (so both instances were routed), past the end-to-end
     tolerance. The untouched model routed through nothing passes; a torch.compile mode that
     does not exist is a failed candidate, and the worker serves the next one."""
-    from agent.integrate import compile_candidate, routed_candidate
+    from agent.ways import compile_candidate, routed_candidate
     from sandbox.runner import TrialRunner
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")
@@ -207,7 +207,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
     own, and only then verified (on one draw of fresh inputs, the original's answers computed
     once) and timed, one after another: a failing way is its own trial, the others are timed;
     a preloaded candidate is never mistaken for another one."""
-    from agent.integrate import _side_by_side, compile_candidate, routed_candidate
+    from agent.ways import side_by_side, compile_candidate, routed_candidate
     from sandbox.pool import DevicePool
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")
@@ -226,7 +226,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
             return original(msg, *a, **k)
         runner.reference.request = spy
         try:
-            trials = _side_by_side(pool, ways, steps.append)
+            trials = side_by_side(pool, ways, steps.append)
         finally:
             runner.reference.request = original
         # every way verified on one draw, whose references the reference worker computed once
@@ -254,7 +254,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
 def test_our_kernels_run_inside_torch_compile_as_opaque_ops_with_no_graph_break(run):
     """"nightshift + torch.compile": the routed model compiled whole, each winner a custom op
     (its schema from the first call), verified end to end like any way, one graph, no break."""
-    from agent.integrate import composed_candidate
+    from agent.ways import composed_candidate
     from sandbox.runner import TrialRunner
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")
@@ -275,7 +275,7 @@ def test_a_torch_compile_winner_routes_into_every_instance_eager_and_composed(ru
     both RMSNorm instances, its forward is the instance's own, so compiling the module would
     call back into itself (dynamo failed every such routed model on the GPU). The routed model
     and the composed way both pass end to end."""
-    from agent.integrate import composed_candidate, routed_candidate
+    from agent.ways import composed_candidate, routed_candidate
     from agent.prompting import render_code
     from sandbox.runner import TrialRunner
     folder, _ = run
@@ -425,7 +425,7 @@ def test_generated_model_candidates_render_and_run_without_a_gpu(tmp_path):
     """The routed model, its CUDA-graph variant (which runs eagerly where there is no GPU) and a
     torch.compile candidate render from their templates (StrictUndefined) and route as said."""
     import importlib.util
-    from agent.integrate import compile_candidate, graphed_candidate, routed_candidate
+    from agent.ways import compile_candidate, graphed_candidate, routed_candidate
     from agent.planners.compiler import CompilerPlanner, all_points
     from agent.prompting import render_code
     from tools.problem import Problem
@@ -465,7 +465,7 @@ def test_the_graphed_model_writes_a_cache_in_place_like_the_eager_one(tmp_path):
     in place must reach the caller's tensor too, call after call (the H200 once refused the
     graphed tuned model because its k cache stayed unwritten)."""
     import importlib.util
-    from agent.integrate import graphed_candidate
+    from agent.ways import graphed_candidate
 
     class Step(torch.nn.Module):
         def __init__(self):
