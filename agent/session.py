@@ -16,7 +16,6 @@ anything, every planner failed); 130 interrupted.
 from __future__ import annotations
 
 import threading
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO

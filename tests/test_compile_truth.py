@@ -119,7 +119,6 @@ def test_baselines_that_could_not_run_beside_the_search_are_run_by_integration(r
     from agent.integrate import integrate
     early = EarlyBaselines(run, "cpu", modes=["torch.compile"])
     early.close()  # never started (a search interrupted at once): nothing to pick up
-    assert all(not r.worker.alive for r in early.pool.runners)
     steps = []
     result = integrate(run.path, "cpu", baselines=True, modes=["torch.compile"], cuda_graphs=False,
                        early=early, on_step=steps.append)

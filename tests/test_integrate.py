@@ -207,7 +207,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
     own, and only then verified (on one draw of fresh inputs, the original's answers computed
     once) and timed, one after another: a failing way is its own trial, the others are timed;
     a preloaded candidate is never mistaken for another one."""
-    from agent.ways import side_by_side, compile_candidate, routed_candidate
+    from agent.ways import compile_candidate, routed_candidate, side_by_side
     from sandbox.pool import DevicePool
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")

@@ -125,11 +125,9 @@ CHECKSUM_ROWS = 4096
 def checksum(leaves: list, key: torch.Tensor | None) -> torch.Tensor:
     """sum |x_i| * key_i over the outputs, flattened in order, the key repeating every
     key.numel() elements (a 0-dim float32 tensor, on the outputs' device). Nonlinear in the
-    outputs, so it cannot be had without computing them. Computed a block of periods at a time
-    (rows of a matrix-vector product): no copy of all the outputs in float32, no key as long as
-    them; the harness's work around a timed call stays small beside the call, so the tuner's
-    clock can check the call (a gigabyte-sized checksum made the harness's own jitter larger
-    than a decode kernel, and honest kernels were refused)."""
+    outputs, so it cannot be had without computing them. Computed a block of key periods at a
+    time (rows of a matrix-vector product): no float32 copy of all the outputs and no key as
+    long as them, work the timed run does around every call."""
     flat = [t.detach().reshape(-1) for t in leaves if isinstance(t, torch.Tensor) and t.numel()]
     if not flat or key is None:
         return torch.zeros(())
