@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -32,6 +32,12 @@ from agent.planners import Planner, PlannerFailed
 from tools.problem import Problem
 from tools.runfolder import RunFolder
 from tools.trial import Candidate, Status, Trial
+
+PLANNER_GRACE_S = 10.0
+"""How long the end of a search waits for a planner call still running: a daemon thread inside
+torch when the interpreter exits aborts the process on Python 3.11 (its threads are unwound
+through C++ code). A local planner ends well within it; an LLM call still waiting on its API is
+left (a socket wait is safe to unwind)."""
 
 
 class Executor(Protocol):
@@ -176,6 +182,8 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
             elif planning is None and feed.waiting() < lanes and not idle_planner:
                 planning, asked_at, came_back_empty = _in_background(plan), len(history.trials), False
     finally:
+        if planning is not None:  # its thread may be inside torch: see PLANNER_GRACE_S
+            wait([planning], timeout=PLANNER_GRACE_S)
         for (region, digest, generation), n in started.items():  # a clean stop cut these short
             for _ in range(n):
                 store.event("cancel", region=region, candidate=digest, generation=generation)

@@ -14,6 +14,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -493,3 +494,37 @@ def test_the_trial_time_estimate_survives_a_resume(run):
     fresh.remember(history.trials)
     costs = [max(0.0, t.gpu_seconds - t.phases.get("start", 0.0)) for t in history.trials]
     assert fresh.estimate(REGION) == pytest.approx(max(costs)) and fresh.estimate(REGION) < 20.0
+
+
+
+class SlowSecondCall(StubPlanner):
+    """The search is stopped (a signal) while its second call runs, inside torch for a while,
+    once the first trial is in."""
+
+    def __init__(self, sources):
+        super().__init__(sources)
+        self.trial_in, self.stopping, self.ended = threading.Event(), threading.Event(), False
+
+    def propose(self, problem, history, n):
+        if not self.count:
+            self.count += 1
+            return super().propose(problem, history, n)
+        self.trial_in.wait(60)
+        self.stopping.set()
+        time.sleep(1.5)
+        self.ended = True
+        return []
+
+
+def test_the_search_ends_after_the_planner_call_it_left_running(run):
+    """A planner's daemon thread still inside torch when the process exits aborts it on Python
+    3.11 (CI: a tune printed its JSON, then SIGABRT): the search waits a while for it."""
+    problems, planner = run.problems(), SlowSecondCall([RIGHT])
+    executor = LocalExecutor(parse_devices("cpu")[0], [run.problems_dir / p.name for p in problems], LIMITS)
+    try:
+        outcome = tune(run, problems, planner, executor, Budget(StopRule(max_candidates=10, patience=10)),
+                       load_history(run, problems, executor.generations), on_trial=lambda t: planner.trial_in.set(),
+                       should_stop=planner.stopping.is_set)
+    finally:
+        executor.close()
+    assert planner.stopping.is_set() and planner.ended, outcome
