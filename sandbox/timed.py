@@ -132,6 +132,12 @@ def _samples(reply: "Reply") -> list[float]:
     return [float(x) for x in xs]
 
 
+def _upload_ms(reply: "Reply") -> float:
+    """What a run spent copying its input set to the device (0 where the worker kept it there)."""
+    x = reply.header.get("upload_ms")
+    return float(x) if isinstance(x, (int, float)) and 0.0 <= x < 1e7 else 0.0
+
+
 def _lead_ms(reply: "Reply", reps: int) -> float:
     """Device sleep before a run, long enough for the host to queue every repetition first."""
     if reply.header.get("timing_kind") != "cuda":
@@ -154,7 +160,9 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     # One repetition of both sides costs the tuner's clock its calls plus the harness around them
     # (fresh inputs, copies, checksums): with small calls the harness is most of it, and a budget
     # sized by the calls alone would cost many times itself.
-    est = max(statistics.median(_samples(wb)) + statistics.median(_samples(wc)), (wall_wb + wall_wc) / WARMUP_REPS)
+    # (less each side's one copy of the input set to its device, done in this first run only)
+    est = max(statistics.median(_samples(wb)) + statistics.median(_samples(wc)),
+              max(0.0, wall_wb - _upload_ms(wb) + wall_wc - _upload_ms(wc)) / WARMUP_REPS)
     rounds = max(2, lim.rounds)
     reps = int(max(MIN_REPS, min(lim.max_reps, budget_ms / rounds / max(est, 1e-3))))
     # One lead for both sides, in device cycles of the reference worker's calibration, so the
@@ -172,6 +180,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         s = seed()
         req = {"set": i, "seed": s, "reps": reps, "key_len": n, "lead_cycles": lead * cycles}
         rb, wall_b = _batch(ref, {"problem": p.name, **req}, lim.time_s, cand)
+        wall_b -= _upload_ms(rb)  # the reference worker's (trusted), were its copy of the set evicted
         _note_harness(r, rb)
         base_runs.append(_samples(rb))
         samples, per_call, lead = _candidate_run(r, lp, req, rb, wall_b, lead, cycles)

@@ -314,6 +314,7 @@ def test_the_worker_keeps_a_cache_at_one_address_across_its_timed_runs():
     from tools import timing
     w = W.Worker.__new__(W.Worker)
     w.torch, w.role, w.device, w.clock, w.in_place, w.kept = torch, "reference", torch.device("cpu"), None, {}, []
+    w.base_sets = {}
 
     def fwd(region, x, cache):
         cache[:, :2] = x.unsqueeze(1)  # writes its new tokens into the cache
@@ -336,3 +337,31 @@ def test_the_worker_keeps_a_cache_at_one_address_across_its_timed_runs():
     finally:
         timing.run_batch = real
     assert len(caches) == 6 and len(set(caches[1:])) == 1, caches  # new memory only on the very first call
+
+
+def test_a_timed_input_set_is_copied_to_the_device_once_per_candidate():
+    """The frozen set goes to the device in the first timed run and stays (runs only draw from
+    it): a copy from host memory per run was most of a decode run's wall on the H200, and its
+    jitter between workers got honest kernels refused. A new candidate gets a fresh copy."""
+    from sandbox import worker as W
+    w = W.Worker.__new__(W.Worker)
+    w.torch, w.role, w.device, w.clock, w.in_place, w.kept = torch, "reference", torch.device("cpu"), None, {}, []
+    w.base_sets, w.candidate, w.verified = {}, None, None
+    w.problems = {name: {"region": torch.nn.Identity(), "forward": lambda region, x: x * 2} for name in "pq"}
+    copies = []
+
+    def device_set(p, i):
+        copies.append(i)
+        return [torch.randn(4, 8)], {}
+    w._device_set = device_set
+    w._copy_outputs = lambda out: ([out.clone()], None)
+    for seed in (1, 2, 3):
+        head, _ = w.op_batch({"problem": "p", "set": 0, "seed": seed, "reps": 2}, None)
+        assert head["upload_ms"] >= 0
+    assert copies == [0]
+    for i in range(1, W.BASE_SETS + 1):  # more sets than it keeps: the oldest, set 0, goes
+        w.op_batch({"problem": "q", "set": i, "seed": 1, "reps": 1}, None)
+    w.op_batch({"problem": "p", "set": 0, "seed": 4, "reps": 1}, None)
+    assert copies == [0, 1, 2, 3, 4, 0] and len(w.base_sets) == W.BASE_SETS
+    w.release()
+    assert w.base_sets == {}
