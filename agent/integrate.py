@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Callable
 from agent import dispatch
 from agent.history import CandidateRecord
 from agent.loop import load_history
-from agent.ways import (BASELINES, LIMITS, baseline_ways, composed_candidate, composed_name, graphed_candidate,
-                        phases, routed_candidate, side_by_side, whole_model)
+from agent.ways import (BASELINES, LIMITS, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
+                        whole_model)
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
 from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
@@ -112,17 +112,9 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
     if dev.type == "cpu" and not baselines:
         note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
 
-    def every_way(routes: list[tuple[Problem, str]]) -> list[tuple[str, Candidate]]:
-        """The tuned model, its CUDA-graph capture, each compile mode (unless `early` runs them)
-        and each with our kernels inside."""
-        ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
-        if dev.type == "cuda" and cuda_graphs:  # the integration step for launch-bound workloads
-            ways.append(("graphed", graphed_candidate(routes)))
-        if chosen and early is None:
-            ways += baseline_ways(chosen)
-        if chosen and routes:  # our kernels inside the compiled model, the way a torch.compile user runs it
-            ways += [(composed_name(name), composed_candidate(routes, BASELINES[name])) for name in chosen]
-        return ways
+    def every_way(accepted: list[tuple[Problem, CandidateRecord, str]]) -> list[tuple[str, Candidate]]:
+        return ways_of(accepted, graphed=dev.type == "cuda" and cuda_graphs, baselines=chosen if early is None else [],
+                       composed=chosen, on_step=on_step)
 
     try:
         # Every region's best winner at once first: every way of running the model, each in a
@@ -142,13 +134,13 @@ def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool 
                 sourced.append((p, readable))
         accepted = [(p, *readable[0]) for p, readable in sourced]
         runner.worker.kill()
-        trials = side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw,
+        trials = side_by_side(pool, every_way(accepted), on_step, draw,
                                keep_answers=True, first_must_pass=bool(accepted))
         if accepted and trials["tuned"].status.value != "ok":
             on_step(f"the winners together failed end to end ({_end_to_end(trials['tuned'])}): routed in one by one")
             accepted = _one_by_one(runner, sourced, draw, dropped, on_step)
             runner.worker.kill()
-            trials = side_by_side(pool, every_way([(q, s) for q, _, s in accepted]), on_step, draw)
+            trials = side_by_side(pool, every_way(accepted), on_step, draw)
         if chosen and early is not None:  # started beside the search: waited for only now
             trials.update({n: t for n, t in early.result(on_in_flight).items() if n in chosen})
             on_in_flight(pool.in_flight)

@@ -28,6 +28,7 @@ from tools.runfolder import RunFolder
 from tools.trial import Candidate, Trial
 
 if TYPE_CHECKING:
+    from agent.history import CandidateRecord
     import torch
 
 LIMITS = Limits(compile_s=900, run_s=900, time_s=600)
@@ -71,6 +72,29 @@ def composed_candidate(routes: list[tuple[Problem, str]], mode: str | None) -> C
     return Candidate(region="model", source=source, planner="integrate", template="torch_compile",
                      params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
                                         for p, src in routes}, "mode": mode})
+
+
+def ways_of(accepted: list[tuple[Problem, CandidateRecord, str]], graphed: bool, baselines: list[str],
+            composed: list[str], on_step: Callable[[str], None] = lambda line: None) -> list[tuple[str, Candidate]]:
+    """The ways of running the model with the accepted (region problem, record, source) winners:
+    the tuned model, its CUDA-graph capture (`graphed`), the compile `baselines` named and
+    each `composed` mode with our kernels inside."""
+    routes = [(q, s) for q, _, s in accepted]
+    ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
+    # A winner that is torch.compile of its region is not nested in another capture or compile
+    # (cudagraph trees inside a capture fail, and a compile during one leaves the worker's CUDA
+    # generator in capture mode: the H200 lost two ways of transformers' LlamaModel to it).
+    # There the region's own code runs, which the outer compiler compiles anyway.
+    kernels = [(q, s) for q, rec, s in accepted if rec.template != "torch_compile"]
+    if left := sorted(q.name for q, rec, _ in accepted if rec.template == "torch_compile"):
+        on_step(f"{', '.join(left)}: the winner is torch.compile of the region; in the CUDA-graph and "
+                "compiled ways the region's own code runs")
+    if graphed and kernels:  # the integration step for launch-bound workloads
+        ways.append(("graphed", graphed_candidate(kernels)))
+    ways += baseline_ways(baselines)
+    if kernels:  # our kernels inside the compiled model, the way a torch.compile user runs it
+        ways += [(composed_name(name), composed_candidate(kernels, BASELINES[name])) for name in composed]
+    return ways
 
 
 def compile_candidate(mode: str | None) -> Candidate:

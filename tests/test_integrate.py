@@ -296,6 +296,30 @@ def test_a_torch_compile_winner_routes_into_every_instance_eager_and_composed(ru
     assert not composed.compile_fallback, composed.dynamo
 
 
+def test_a_torch_compile_winner_is_not_nested_in_a_capture_or_another_compile():
+    """cudagraph trees inside a CUDA-graph capture fail, and a compile during one leaves the
+    worker's generator in capture mode (the H200 lost the graphed way and nightshift +
+    reduce-overhead of transformers' LlamaModel so): such a winner is routed into the eager
+    tuned model only; the graphed and composed ways carry the kernel winners, or do not exist."""
+    from types import SimpleNamespace
+    from agent.prompting import render_code
+    from agent.ways import ways_of
+    from tools.problem import Problem
+    norm, mlp = (Problem.model_construct(name=n, region_class=n) for n in ("Norm", "MLP"))
+    compiled = SimpleNamespace(template="torch_compile")
+    kernel = SimpleNamespace(template="rmsnorm")
+    winner = render_code("kernels/torch_compile.py.j2", mode="reduce-overhead", options={})
+    said = []
+    both = dict(ways_of([(mlp, compiled, winner), (norm, kernel, "def forward(m, x):\n    return x\n")], graphed=True,
+                        baselines=["torch.compile"], composed=["reduce-overhead"], on_step=said.append))
+    assert list(both) == ["tuned", "graphed", "torch.compile", "nightshift + reduce-overhead"]
+    assert set(both["tuned"].params["routes"]) == {"MLP", "Norm"}
+    assert set(both["graphed"].params["routes"]) == set(both["nightshift + reduce-overhead"].params["routes"]) == {"Norm"}
+    assert said and "MLP" in said[0]
+    alone = dict(ways_of([(mlp, compiled, winner)], graphed=True, baselines=[], composed=["reduce-overhead"]))
+    assert list(alone) == ["tuned"]
+
+
 def test_every_check_of_the_model_is_on_one_draw_whose_answers_are_computed_once(run, tmp_path, monkeypatch):
     """The best winners together first (the biased RMSNorm: it fails end to end), then routed in
     one by one, then the tuned model again: four verifications of the whole model, one request
