@@ -17,7 +17,7 @@ once per process.
 RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "install", "compile_model", "_nightshift_route",
             "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
             "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
-            "_nightshift_as_op", "_nightshift_recording",
+            "_nightshift_as_op", "_nightshift_recording", "_nightshift_compile_kwargs",
             "_nightshift_os", "_nightshift_torch", "_nightshift_warnings", "_nightshift_importlib",
             "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find"}
 """Module-level names the routing code owns; candidates' names are renamed around them."""
@@ -121,12 +121,13 @@ def compile_model(model, *example_args, mode=None, options=None, **example_kwarg
     """torch.compile(model, mode=..., options=...) with each tuned region an opaque custom op, so
     the compiler fuses everything around our kernels and (reduce-overhead) captures CUDA graphs
     over them. One eager call on the example inputs first shows each op what it is given (it
-    runs the model: inputs it writes into, a KV cache, are written)."""
+    runs the model: inputs it writes into, a KV cache, are written); where an op writes into
+    its inputs, the model compiles with static shapes (see _nightshift_compile_kwargs)."""
     _nightshift_recording.append(True)
     try:
         with _nightshift_torch.no_grad():
             model(*example_args, **example_kwargs)
     finally:
         _nightshift_recording.clear()
-    return _nightshift_torch.compile(model, mode=mode, options=options)
+    return _nightshift_torch.compile(model, mode=mode, options=options, **_nightshift_compile_kwargs())
 '''
