@@ -110,7 +110,10 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
 def _batch(worker: Any, req: dict, timeout: float, frozen: Any = None) -> tuple["Reply", float]:
     """One timed run in `worker`; `frozen`: the candidate's worker, stopped meanwhile (the
     original's runs: nothing the candidate left running competes with them)."""
-    with frozen.frozen() if frozen is not None else contextlib.nullcontext():
+    # The reference worker serves every runner: its wall starts once this run has it (a wait for
+    # another runner's request there counted as harness time, and made honest kernels look too fast).
+    shared = getattr(worker, "lock", None) or contextlib.nullcontext()
+    with frozen.frozen() if frozen is not None else contextlib.nullcontext(), shared:
         t0 = time.monotonic()
         reply = worker.request({"op": "batch", **req}, timeout=timeout)
         wall_ms = (time.monotonic() - t0) * 1e3

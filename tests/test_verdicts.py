@@ -245,3 +245,34 @@ def test_an_output_that_is_a_slice_is_no_shape_error_but_an_expanded_one_is(tmp_
         assert trial.status is Status.shape and "overlap" in trial.reason, (trial.status, trial.reason)
     finally:
         runner.close()
+
+
+def test_a_wait_for_the_shared_reference_worker_is_not_timed_as_its_run():
+    """The reference worker serves every runner: the original's timed run waited for another
+    runner's request there, that wait counted as harness time, and an honest RMSNorm kernel on
+    the H200 was refused for answering 'sooner than the harness's own work' (10.2 against 31.8 ms)."""
+    import threading
+    import time as clock
+    from sandbox.runner import Reply
+    from sandbox.timed import _batch
+
+    class Shared:
+        lock = threading.RLock()
+
+        def request(self, header, timeout):
+            with self.lock:
+                clock.sleep(0.02)
+                return Reply(True, header={"samples": [1.0]})
+
+    ref, held = Shared(), threading.Event()
+
+    def other_runner():
+        with ref.lock:
+            held.set()
+            clock.sleep(0.5)
+    t = threading.Thread(target=other_runner)
+    t.start()
+    held.wait(5)
+    _, wall_ms = _batch(ref, {}, 10)
+    t.join()
+    assert 15 <= wall_ms < 200, wall_ms
