@@ -19,6 +19,7 @@ then the stop reason says how much of their spaces was tried.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import Future, wait
@@ -111,7 +112,7 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         return out
 
     def enqueue(candidates: list[Candidate]) -> int:
-        jobs = []
+        candidates, jobs = interleaved(candidates), []
         # Candidates already counted (tried on some generations, e.g. before a resume)
         # finish their remaining generations without counting against the cap again.
         known = [c for c in candidates if (c.region, c.hash) in history.records]
@@ -191,6 +192,16 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         store.close()
     best = {p.name: (b.score(history.targets(p.name)) if (b := history.best(p.name)) else 0.0) for p in problems}
     return Outcome(budget.stop_reason or "interrupted", trials_run, plans, best, failure)
+
+
+def interleaved(candidates: list[Candidate]) -> list[Candidate]:
+    """Every region's first candidate before any region's second, each region's in the planner's
+    order: queued region by region, a short night (or the candidate cap) spent every trial on
+    the first region (transformers' LlamaModel on the H200: 5 of 5 trials on attention)."""
+    by_region: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        by_region.setdefault(c.region, []).append(c)
+    return [c for row in itertools.zip_longest(*by_region.values()) for c in row if c is not None]
 
 
 class _BudgetedFeed(Feed):

@@ -276,3 +276,25 @@ def test_auto_and_one_of_its_own_planners_together_is_a_clear_error():
     with pytest.raises(PlannerError, match="auto is template then compiler already"):
         make_planner("auto,template", device="cpu")
     assert make_planner("auto,files", device="cpu", inbox=Path("/nonexistent")).name == "auto,files"
+
+
+class Batch:
+    """Proposes six candidates a region at once, more than it was asked for (as the template
+    planner's first batch is)."""
+
+    name = "batch"
+
+    def propose(self, problem, history, n):
+        made = [Candidate(region=problem.name, source=f"# {problem.name} {i}\n", planner=self.name,
+                          note=f"{problem.name} {i}") for i in range(6)]
+        return [c for c in made if not history.tried(problem.name, c.hash)]
+
+
+def test_a_short_night_tries_every_region_first(tmp_path):
+    """Queued region by region, the H200's LlamaModel tune spent its 5 trials on attention alone:
+    every region's first candidate now goes before any region's second."""
+    lanes = FakeLanes(1)
+    problems = [fake_problem(n) for n in ("Attention", "MLP", "Norm")]
+    outcome, _, _ = run_fake(tmp_path, Batch(), lanes, StopRule(max_candidates=3, patience=1000), problems)
+    assert outcome.trials_run == 3
+    assert sorted(note.split()[0] for note, _, _ in lanes.log) == ["Attention", "MLP", "Norm"], lanes.log
