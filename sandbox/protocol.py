@@ -1,9 +1,12 @@
 """The wire between the tuner and a sandbox worker: length-prefixed frames over a socket.
 
-Each frame is a JSON header plus an optional blob of tensors written with `torch.save`.
-Nothing crossing the wire is unpickled with the general pickle: the parent reads tensors
-with `torch.load(weights_only=True)`, so a worker taken over by candidate code can send
-wrong numbers (which verification rejects) but cannot run code in the tuner.
+Each frame is a JSON header plus an optional blob of raw tensor bytes. The header says what
+the tensors are (`_layout`: the nesting of lists, tuples, dicts and plain values around them,
+each tensor's dtype and shape); the blob holds their bytes one after another, each at an
+aligned offset the reader computes itself. Nothing crossing the wire is unpickled: a worker
+taken over by candidate code can send wrong numbers (which verification rejects) but cannot
+run code in the tuner. Readers view the tensors in the received buffer, uncopied: a KV cache
+among the outputs is half a gigabyte, and `torch.save` then `torch.load` copied it five times.
 
 Every request carries a fresh random `nonce` that its reply must echo: a frame that
 candidate code writes to the worker's socket ahead of time cannot know it, so a forged
@@ -14,7 +17,6 @@ jailed worker reads them without seeing the folder they live in.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import select
@@ -37,39 +39,106 @@ class ChannelTimeout(Exception):
     """No complete frame arrived in time."""
 
 
+ALIGN = 64
+"""Each tensor's bytes start at a multiple of this (any dtype can be viewed there)."""
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64") if hasattr(torch, n)))}
+
+
+def _layout(x: Any, parts: list) -> list:
+    """`x` as JSON, its tensors (contiguous, on the host) appended to `parts`."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if t.layout != torch.strided or str(t.dtype).removeprefix("torch.") not in _DTYPES:
+            raise TypeError(f"a {t.layout} {t.dtype} tensor cannot cross the wire")
+        parts.append(t.to("cpu").contiguous())
+        return ["T", str(t.dtype).removeprefix("torch."), list(t.shape)]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return ["V", x]
+    if isinstance(x, (list, tuple)):
+        return ["L" if isinstance(x, list) else "U", [_layout(v, parts) for v in x]]
+    if isinstance(x, dict) and all(isinstance(k, (str, int)) for k in x):
+        return ["D", [[k, _layout(v, parts)] for k, v in x.items()]]
+    raise TypeError(f"a {type(x).__name__} cannot cross the wire")
+
+
+def _span(dtype: torch.dtype, shape: list) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
 def send(sock: socket.socket, header: dict[str, Any], tensors: Any = None, fds: list[int] | None = None) -> None:
     if fds:
         header = {**header, "fds": len(fds)}
-    body = json.dumps(header).encode()
-    blob = b""
+    parts: list[torch.Tensor] = []
     if tensors is not None:
-        buf = io.BytesIO()
-        torch.save(tensors, buf)
-        blob = buf.getvalue()
+        header = {**header, "_layout": _layout(tensors, parts)}
+    body = json.dumps(header).encode()
+    chunks, size = [], 0
+    for t in parts:
+        pad = -size % ALIGN
+        n = t.numel() * t.element_size()
+        if n:  # the bytes as they are, viewed through numpy (no copy)
+            chunks += [b"\0" * pad, memoryview(t.reshape(-1).view(torch.uint8).numpy())]
+            size += pad + n
     try:
-        sock.sendall(_HEADER.pack(len(body), len(blob)) + body + blob)
+        sock.sendall(_HEADER.pack(len(body), size) + body)
+        for c in chunks:
+            sock.sendall(c)
         if fds:
             socket.send_fds(sock, [b"F"], fds)
     except (BrokenPipeError, ConnectionResetError, OSError) as e:
         raise ChannelClosed(str(e)) from None
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    chunks, got = [], 0
+def _tensors(node: Any, blob: bytearray, at: list[int]) -> Any:
+    """The structure `node` describes, its tensors viewed in `blob` (`at`: the next offset)."""
+    if not isinstance(node, list) or len(node) not in (2, 3) or not isinstance(node[0], str):
+        raise ValueError("malformed layout")
+    kind = node[0]
+    if kind == "T" and len(node) == 3:
+        dtype, shape = _DTYPES.get(node[1]), node[2]
+        if dtype is None or not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
+            raise ValueError(f"bad tensor {node[1:]}")
+        n = _span(dtype, shape)
+        if not n:
+            return torch.empty(shape, dtype=dtype)
+        start = at[0] + (-at[0] % ALIGN)
+        if start + n > len(blob):
+            raise ValueError("tensor bytes past the end of the frame")
+        at[0] = start + n
+        return torch.frombuffer(blob, dtype=torch.uint8, count=n, offset=start).view(dtype).view(shape)
+    if kind == "V" and (node[1] is None or isinstance(node[1], (bool, int, float, str))):
+        return node[1]
+    if kind in ("L", "U") and isinstance(node[1], list):
+        items = [_tensors(v, blob, at) for v in node[1]]
+        return items if kind == "L" else tuple(items)
+    if kind == "D" and isinstance(node[1], list) and all(isinstance(kv, list) and len(kv) == 2 for kv in node[1]):
+        return {k: _tensors(v, blob, at) for k, v in node[1]}
+    raise ValueError(f"malformed layout node {kind!r}")
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray:
+    got, buf = 0, bytearray(n)
+    view = memoryview(buf)
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([sock], [], [], left)[0]:
                 raise ChannelTimeout(f"no answer within the time limit ({got}/{n} bytes)")
         try:
-            chunk = sock.recv(min(n - got, 1 << 22))
+            k = sock.recv_into(view[got:], min(n - got, 1 << 22))
         except (ConnectionResetError, OSError) as e:
             raise ChannelClosed(str(e)) from None
-        if not chunk:
+        if not k:
             raise ChannelClosed("connection closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        got += k
+    return buf
 
 
 def recv(sock: socket.socket, timeout: float | None = None, accept_fds: bool = False) -> tuple[dict[str, Any], Any]:
@@ -86,11 +155,11 @@ def recv(sock: socket.socket, timeout: float | None = None, accept_fds: bool = F
     if not isinstance(header, dict):
         raise ChannelClosed("malformed frame: header is not an object")
     tensors = None
-    if n_blob:
-        blob = _recv_exact(sock, n_blob, deadline)
+    blob = _recv_exact(sock, n_blob, deadline) if n_blob else bytearray()
+    if "_layout" in header:
         try:
-            tensors = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-        except Exception as e:  # a worker that sends non-tensor objects is not trusted further
+            tensors = _tensors(header.pop("_layout"), blob, [0])
+        except (ValueError, TypeError, RuntimeError) as e:  # a worker that sends this is not trusted further
             raise ChannelClosed(f"unloadable tensor payload: {type(e).__name__}: {e}") from None
     if isinstance(header.get("fds"), int) and 0 < header["fds"] <= 64:
         try:

@@ -322,3 +322,32 @@ def test_events_that_claim_less_than_the_clock_saw_are_never_what_is_ranked(monk
     # Events the clock confirms are taken as they are.
     samples, _, phases = _clocked_run(monkeypatch, original_ms=2.4, harness_ms=0.5, candidate_ms=0.5, claimed_ms=0.5)
     assert samples == [0.5] * 100 and "host_bound" not in phases
+
+
+def test_tensors_cross_the_wire_as_raw_bytes_a_forged_layout_is_a_broken_channel():
+    """Replies carry tensors as a JSON layout and raw bytes, viewed where they landed (a KV cache
+    among the outputs was copied five times by torch.save and torch.load). Nothing is unpickled,
+    and a layout that points past its bytes, or names what is no dtype, closes the channel."""
+    import struct
+    a, b = socket.socketpair()
+    sent = {"outputs": [torch.randn(3, 5).t(), None, torch.tensor(2.5), torch.empty(0, 4)],
+            "post": (torch.arange(7, dtype=torch.int16), [torch.ones(2, dtype=torch.bool)]),
+            "half": torch.randn(4, 3, dtype=torch.bfloat16)[::2], 3: "meta"}
+    got = []
+    reader = threading.Thread(target=lambda: got.append(protocol.recv(b, timeout=10)))
+    reader.start()
+    protocol.send(a, {"ok": True}, sent)
+    reader.join()
+    header, back = got[0]
+    assert "_layout" not in header and back.keys() == sent.keys() and back[3] == "meta"
+    for mine, theirs in [*zip(sent["outputs"], back["outputs"]), (sent["half"], back["half"]),
+                         (sent["post"][0], back["post"][0]), (sent["post"][1][0], back["post"][1][0])]:
+        assert mine is None and theirs is None or (theirs.dtype == mine.dtype and torch.equal(theirs, mine))
+    assert isinstance(back["post"], tuple)
+    with pytest.raises(TypeError, match="cannot cross"):
+        protocol.send(a, {"ok": True}, {"x": object()})
+    for layout in (["T", "float32", [1000]], ["T", "pickle", [1]], ["X", 1]):
+        body = json.dumps({"ok": True, "_layout": layout}).encode()
+        a.sendall(struct.pack("!II", len(body), 16) + body + bytes(16))
+        with pytest.raises(protocol.ChannelClosed, match="unloadable"):
+            protocol.recv(b, timeout=5)
