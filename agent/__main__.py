@@ -28,6 +28,8 @@ try:
     main()
 except SystemExit as e:
     end(e.code)
+except KeyboardInterrupt:  # one that no command turned into its own exit
+    end(130)
 except BaseException:  # a bug's traceback, then the same end
     traceback.print_exc()
     end(1)

@@ -11,6 +11,7 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,7 +51,8 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                        stop_rule: StopRule | None = None, targets: list[str] | None = None,
                        coverage: float = 0.9, max_regions: int = 8, freeze_problems: bool = True,
                        regions: list[str] | None = None, e2e_tolerance: str | None = None,
-                       trace: Path | None = None, trace_keep_own: bool = False) -> ProfileOutcome:
+                       trace: Path | None = None, trace_keep_own: bool = False,
+                       on_run: Callable[[RunFolder, str], None] = lambda run, model_file: None) -> ProfileOutcome:
     """Profile the model and freeze its hotspots into a new run folder. Every input is checked
     before the model is touched; a failure after the folder was made removes it again, so a
     bad input (or Ctrl-C) leaves no half-made run behind."""
@@ -73,6 +75,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
     # import left the interpreter half-initialised, dying of SIGINT instead of exiting 130.
     import torch._dynamo  # noqa: F401
     run = RunFolder.create(runs_dir, loaded.path)
+    on_run(run, str(loaded.path))  # the search's workers may start now, beside the profile
     try:
         with user_code(model), native_stderr_without("USDT:"):
             result = profile_model(loaded, dev, workload, ceilings, trace_path=run.path / "trace.json",

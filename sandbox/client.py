@@ -18,38 +18,23 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandbox import jail, protocol
-from sandbox.isolation import worker_env
+from sandbox import protocol
+from sandbox.spawn import _SPAWNED, _SPAWNER, Reply, WorkerConfig, _adopt, _launch, drop_spares, prestart  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
-# Workers die with the thread that started them (PR_SET_PDEATHSIG follows the creating
-# thread), so every worker is started from this one thread, which lives as long as the tuner.
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-spawner")
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 """Every worker this process has started and not yet killed (`stop_all`)."""
-_SPAWNED: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
-"""Every worker process, from the moment it exists: a signal can come before its Worker holds it."""
-
-
-def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen:
-    proc = subprocess.Popen(argv, **kwargs)
-    _SPAWNED.add(proc)
-    return proc
 
 
 def stop_all() -> int:
     """Kill every worker this process started: a signal or an exit leaves none behind, whatever
     the code that started them was doing. The number killed."""
-    killed = 0
+    killed = drop_spares()
     for w in list(_LIVE):
         try:
             if w.alive:
@@ -72,34 +57,6 @@ def stop_all() -> int:
 atexit.register(stop_all)
 
 
-@dataclass
-class Reply:
-    ok: bool
-    header: dict[str, Any] = field(default_factory=dict)
-    tensors: Any = None
-    status: str = ""
-    error: str = ""
-    seconds: float = 0.0
-
-
-@dataclass
-class WorkerConfig:
-    device: str = "cpu"
-    """`cpu` or `cuda:N` (N is the index as the tuner sees it)."""
-    role: str = "candidate"
-    """`candidate` (runs candidate code) or `reference` (never does: baselines and references)."""
-    start_timeout: float = 120.0
-    memory_gb: float = 8.0
-    """Address-space cap for CPU workers."""
-    gpu_memory_fraction: float = 0.9
-    interpret: bool | None = None
-    """Run Triton through its interpreter (default: when the device is the CPU)."""
-    hide: list[str] = field(default_factory=list)
-    """Folders the worker must never see (the run folder): hidden by the jail."""
-    model_files: list[str] = field(default_factory=list)
-    """Model files the worker imports: their folders stay visible, read-only."""
-
-
 class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
@@ -118,47 +75,17 @@ class Worker:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> Reply:
+        """A worker for this handle: a spare started ahead for the same configuration
+        (`prestart`), else a new process; then its hello."""
         self.kill()
         cfg = self.config
-        kind, _, index = cfg.device.partition(":")
-        # The tuner's side of the worker's files (its log). Inside the jail the worker has a
-        # tmpfs of its own; without a jail this folder is its working folder too.
-        self.tmpdir = tempfile.mkdtemp(prefix="nightshift-worker-")
-        cmd = [sys.executable, "-m", "sandbox.worker", "--parent", str(os.getpid()), "--device", kind,
-               "--role", cfg.role, "--memory-gb", str(cfg.memory_gb),
-               "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)]
-        argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
-                                      model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda")
-        self.isolation = iso.as_dict()
-        if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-            self.tmpdir = None
-            return Reply(False, status="crash", error=f"NIGHTSHIFT_REQUIRE_JAIL=1 and no jail: {iso.note}")
-        workdir = inside or self.tmpdir
-        env = worker_env(dict(os.environ), workdir, _physical(index or "0") if kind == "cuda" else None)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        if cfg.interpret if cfg.interpret is not None else kind == "cpu":
-            env["TRITON_INTERPRET"] = "1"
-        env.pop("TRITON_CACHE_DIR", None)  # a cache shared between workers could be poisoned
-        self.marker = secrets.token_hex(8)
-        env["NIGHTSHIFT_WORKER"] = self.marker
-        parent_sock, child_sock = socket.socketpair()
-        argv = argv + ["--fd", str(child_sock.fileno())] + (["--jailed"] if inside else [])
         t0 = time.monotonic()
-        log = open(os.path.join(self.tmpdir, "stdout.log"), "wb")
-        try:
-            self.proc = _SPAWNER.submit(_spawn, argv, env=env, cwd=self.tmpdir,
-                                        pass_fds=(child_sock.fileno(),), start_new_session=True,
-                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT).result()
-        except OSError as e:
-            log.close()
-            child_sock.close()
-            parent_sock.close()
-            return Reply(False, status="crash", error=f"worker could not be started: {e}")
+        got = _adopt(cfg) or _launch(cfg)
+        if isinstance(got, Reply):
+            return got
+        self.proc, self.sock, self.tmpdir, self.marker, self.isolation = (got.proc, got.sock, got.tmpdir,
+                                                                          got.marker, got.isolation)
         _LIVE.add(self)
-        log.close()
-        child_sock.close()
-        self.sock = parent_sock
         self.starts += 1
         try:
             self.hello, _ = protocol.recv(self.sock, cfg.start_timeout)
@@ -354,16 +281,6 @@ def _pid_namespace(outer: int) -> str:
             if ns and ns != own:
                 return ns
     return ""
-
-
-def _physical(index: str) -> str:
-    """The physical device behind the tuner's cuda:N, honouring the tuner's CUDA_VISIBLE_DEVICES."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if int(index) < len(ids):
-            return ids[int(index)]
-    return index
 
 
 def _exit_text(code: int | None) -> str:

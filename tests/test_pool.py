@@ -179,3 +179,26 @@ def test_every_worker_is_seen_by_stop_all_and_close_leaves_none_alive(problem_di
     while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
+
+
+def test_a_worker_started_ahead_is_adopted_by_the_same_configuration_and_dropped_otherwise(tmp_path):
+    """The search's workers start while the model is profiled and frozen (a start was 30 of the
+    41 s to the H200's first trial): a handle with the same configuration takes the spare, one
+    with another configuration never does, and spares nobody took are killed."""
+    from sandbox import client as C
+    cfg = dict(device="cpu", hide=[str(tmp_path / "run")], model_files=[])
+    assert C.prestart([C.WorkerConfig(**cfg), C.WorkerConfig(**cfg, role="reference")]) == 2
+    from sandbox.spawn import _SPARES
+    spares = [s.proc for waiting in _SPARES.values() for s in waiting]
+    other = C.Worker(C.WorkerConfig(device="cpu", hide=[str(tmp_path / "another run")]))
+    mine = C.Worker(C.WorkerConfig(**cfg))
+    try:
+        assert mine.start().ok and mine.proc in spares and mine.starts == 1
+        assert other.start().ok and other.proc not in spares  # not the reference's spare either
+        assert C.drop_spares() == 1
+        left = next(p for p in spares if p is not mine.proc)
+        assert left.poll() is not None and mine.alive  # the leftover killed, the adopted one kept
+    finally:
+        mine.kill()
+        other.kill()
+        C.drop_spares()

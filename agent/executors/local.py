@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 from agent.budget import Budget
 from agent.feed import Feed, results_of
+from sandbox.client import WorkerConfig
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Trial
@@ -97,6 +98,29 @@ def workers_per_gpu(cores: int, gpus: int) -> int:
     return max(2, min(6, cores // (2 * max(1, gpus))))
 
 
+def _lanes(slot: Slot, slots: list[Slot], workers_per_device: int | None) -> int:
+    gpus = len([s for s in slots if s.device != "cpu"])
+    return (workers_per_device or default_workers_per_gpu(gpus)) if slot.device != "cpu" else 1
+
+
+def _workers(slots: list[Slot], workers_per_device: int | None) -> dict[str, int]:
+    """Device -> the workers its pool runs (every slot naming it adds its lanes)."""
+    workers: dict[str, int] = {}
+    for s in slots:
+        workers[s.device] = workers.get(s.device, 0) + _lanes(s, slots, workers_per_device)
+    return workers
+
+
+def spare_configs(devices: str | None, run_path: Path, model_file: str, memory_gb: float = 8.0,
+                  workers_per_device: int | None = None) -> list[WorkerConfig]:
+    """The workers a LocalExecutor of this run will start (each device's reference worker and
+    its lanes), configured as its pools configure them, for `sandbox.client.prestart`."""
+    slots, _ = parse_devices(devices)
+    seen = dict(hide=[str(Path(run_path).resolve())], model_files=[model_file], memory_gb=memory_gb)
+    return [c for d, n in _workers(slots, workers_per_device).items()
+            for c in [WorkerConfig(device=d, role="reference", **seen)] + [WorkerConfig(device=d, **seen) for _ in range(n)]]
+
+
 class LocalExecutor:
     def __init__(self, slots: list[Slot], problem_dirs: list[Path], limits: Limits | None = None,
                  memory_gb: float = 8.0, workers_per_device: int | None = None):
@@ -106,12 +130,9 @@ class LocalExecutor:
         not wait. One `DevicePool` per device (slots naming one device share it, and its reference
         worker and charging); each of its workers is a lane, fed with its slot's generation."""
         self.slots, self.lanes = slots, []
-        gpus = len([s for s in slots if s.device != "cpu"])
-        workers: dict[str, int] = {}
+        workers = _workers(slots, workers_per_device)
         for s in slots:
-            n = (workers_per_device or default_workers_per_gpu(gpus)) if s.device != "cpu" else 1
-            workers[s.device] = workers.get(s.device, 0) + n
-            self.lanes += [s] * n
+            self.lanes += [s] * _lanes(s, slots, workers_per_device)
         self.pools = {d: DevicePool(d, problem_dirs, workers=n, limits=limits, memory_gb=memory_gb)
                       for d, n in workers.items()}
         self.tokens = itertools.count()

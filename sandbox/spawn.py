@@ -1,0 +1,177 @@
+"""Starting worker processes: each from one spawner thread, each jailed (sandbox/jail.py),
+and, ahead of need, as spares a handle of the same configuration adopts (`prestart`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sandbox import jail
+from sandbox.isolation import worker_env
+
+ROOT = Path(__file__).resolve().parent.parent
+# Workers die with the thread that started them (PR_SET_PDEATHSIG follows the creating
+# thread), so every worker is started from this one thread, which lives as long as the tuner.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-spawner")
+_SPAWNED: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+"""Every worker process, from the moment it exists: a signal can come before its Worker holds it."""
+
+
+def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, **kwargs)
+    _SPAWNED.add(proc)
+    return proc
+
+
+@dataclass
+class Reply:
+    ok: bool
+    header: dict[str, Any] = field(default_factory=dict)
+    tensors: Any = None
+    status: str = ""
+    error: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class WorkerConfig:
+    device: str = "cpu"
+    """`cpu` or `cuda:N` (N is the index as the tuner sees it)."""
+    role: str = "candidate"
+    """`candidate` (runs candidate code) or `reference` (never does: baselines and references)."""
+    start_timeout: float = 120.0
+    memory_gb: float = 8.0
+    """Address-space cap for CPU workers."""
+    gpu_memory_fraction: float = 0.9
+    interpret: bool | None = None
+    """Run Triton through its interpreter (default: when the device is the CPU)."""
+    hide: list[str] = field(default_factory=list)
+    """Folders the worker must never see (the run folder): hidden by the jail."""
+    model_files: list[str] = field(default_factory=list)
+    """Model files the worker imports: their folders stay visible, read-only."""
+
+
+@dataclass
+class _Launched:
+    """A worker process started, its hello not yet read."""
+    proc: subprocess.Popen
+    sock: socket.socket
+    tmpdir: str
+    marker: str
+    isolation: dict
+
+
+def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
+    kind, _, index = cfg.device.partition(":")
+    # The tuner's side of the worker's files (its log). Inside the jail the worker has a
+    # tmpfs of its own; without a jail this folder is its working folder too.
+    tmpdir = tempfile.mkdtemp(prefix="nightshift-worker-")
+    cmd = [sys.executable, "-m", "sandbox.worker", "--parent", str(os.getpid()), "--device", kind,
+           "--role", cfg.role, "--memory-gb", str(cfg.memory_gb),
+           "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)]
+    argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
+                                  model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda")
+    if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        return Reply(False, status="crash", error=f"NIGHTSHIFT_REQUIRE_JAIL=1 and no jail: {iso.note}")
+    workdir = inside or tmpdir
+    env = worker_env(dict(os.environ), workdir, _physical(index or "0") if kind == "cuda" else None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if cfg.interpret if cfg.interpret is not None else kind == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    env.pop("TRITON_CACHE_DIR", None)  # a cache shared between workers could be poisoned
+    marker = secrets.token_hex(8)
+    env["NIGHTSHIFT_WORKER"] = marker
+    parent_sock, child_sock = socket.socketpair()
+    argv = argv + ["--fd", str(child_sock.fileno())] + (["--jailed"] if inside else [])
+    log = open(os.path.join(tmpdir, "stdout.log"), "wb")
+    try:
+        proc = _SPAWNER.submit(_spawn, argv, env=env, cwd=tmpdir, pass_fds=(child_sock.fileno(),),
+                               start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
+                               stderr=subprocess.STDOUT).result()
+    except OSError as e:
+        parent_sock.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        return Reply(False, status="crash", error=f"worker could not be started: {e}")
+    finally:
+        log.close()
+        child_sock.close()
+    return _Launched(proc, parent_sock, tmpdir, marker, iso.as_dict())
+
+
+_SPARES: dict[tuple, list[_Launched]] = {}
+_SPARES_LOCK = threading.Lock()
+
+
+def _key(cfg: WorkerConfig) -> tuple:
+    return (cfg.device, cfg.role, cfg.memory_gb, cfg.gpu_memory_fraction, cfg.interpret,
+            tuple(sorted(cfg.hide)), tuple(sorted(cfg.model_files)))
+
+
+def prestart(configs: list[WorkerConfig]) -> int:
+    """Start a worker for each configuration now, before anything asks for one: a later
+    `Worker.start` with the same configuration adopts it, hello and all. A worker's start
+    (imports, the device, the jail) was 30 of the 41 s to a tune's first trial on the H200;
+    started while the model is profiled and frozen, it is ready when the search begins. Each
+    spare is an ordinary worker, killed by `drop_spares` or at exit. The number started."""
+    started = 0
+    for cfg in configs:
+        got = _launch(cfg)
+        if isinstance(got, _Launched):
+            with _SPARES_LOCK:
+                _SPARES.setdefault(_key(cfg), []).append(got)
+            started += 1
+    return started
+
+
+def _adopt(cfg: WorkerConfig) -> _Launched | None:
+    with _SPARES_LOCK:
+        waiting = _SPARES.get(_key(cfg), [])
+        while waiting:
+            spare = waiting.pop(0)
+            if spare.proc.poll() is None:
+                return spare
+            _end(spare)
+    return None
+
+
+def drop_spares() -> int:
+    """Kill every spare no handle adopted; the number killed."""
+    with _SPARES_LOCK:
+        spares = [s for waiting in _SPARES.values() for s in waiting]
+        _SPARES.clear()
+    for s in spares:
+        _end(s)
+    return len(spares)
+
+
+def _end(spare: _Launched) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(spare.proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        spare.proc.wait(timeout=10)
+    spare.sock.close()
+    shutil.rmtree(spare.tmpdir, ignore_errors=True)
+
+
+def _physical(index: str) -> str:
+    """The physical device behind the tuner's cuda:N, honouring the tuner's CUDA_VISIBLE_DEVICES."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if int(index) < len(ids):
+            return ids[int(index)]
+    return index
