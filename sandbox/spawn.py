@@ -72,6 +72,7 @@ class _Launched:
     tmpdir: str
     marker: str
     isolation: dict
+    device: str
 
 
 def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
@@ -109,7 +110,7 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
     finally:
         log.close()
         child_sock.close()
-    return _Launched(proc, parent_sock, tmpdir, marker, iso.as_dict())
+    return _Launched(proc, parent_sock, tmpdir, marker, iso.as_dict(), cfg.device)
 
 
 _SPARES: dict[tuple, list[_Launched]] = {}
@@ -146,6 +147,13 @@ def _adopt(cfg: WorkerConfig) -> _Launched | None:
                 return spare
             _end(spare)
     return None
+
+
+def spares_on(device: str) -> int:
+    """Spares started for `device` and not yet adopted, alive."""
+    with _SPARES_LOCK:
+        return sum(1 for waiting in _SPARES.values() for s in waiting
+                   if s.device == device and s.proc.poll() is None)
 
 
 def drop_spares() -> int:

@@ -204,3 +204,28 @@ def test_two_tuners_sharing_a_gpu_never_time_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert physical_device("cuda:1") == "cuda-5" and physical_device("cuda:0") == "cuda-3"
     assert DeviceLock("cuda:1").path.name == "cuda-5.lock"
+
+
+def test_workers_started_ahead_for_the_search_do_not_make_its_gpu_look_busy(monkeypatch):
+    """The search's workers start while the model is frozen, each holding a CUDA context: the
+    idle check that picks the search's GPUs afterwards must not count them as other work (three
+    spares' 2.4 GiB would have sent a GPU-frozen search to 'no idle GPU')."""
+    import torch
+
+    from agent.executors import local
+    from sandbox import spawn
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (140 * gib - int(3.2 * gib), 140 * gib))
+    monkeypatch.setattr(local, "_generation", lambda d: "sm90")
+    alive = type("P", (), {"poll": lambda self: None})()
+    spares = [spawn._Launched(alive, None, "", "", {}, "cuda:0") for _ in range(3)]
+    monkeypatch.setattr(spawn, "_SPARES", {("k",): spares})
+    slots, notes = local.parse_devices(None)
+    assert [s.device for s in slots] == ["cuda:0"], notes
+    monkeypatch.setattr(spawn, "_SPARES", {})  # the same memory held by another program: busy
+    slots, notes = local.parse_devices(None)
+    assert [s.device for s in slots] == ["cpu"] and "left alone" in notes[0]

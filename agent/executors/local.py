@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from agent.budget import Budget
 from agent.feed import Feed, results_of
 from sandbox.client import WorkerConfig
+from sandbox.spawn import spares_on
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Trial
@@ -65,8 +66,10 @@ def parse_devices(spec: str | None) -> tuple[list[Slot], list[str]]:
         torch.cuda.empty_cache()
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
-            # Our own process (profiling, references) is not "other people's work".
-            others = total - free - torch.cuda.memory_reserved(i) - OWN_CONTEXT_BYTES
+            # Our own process (profiling, references) is not "other people's work", nor are the
+            # workers started for this search ahead of it (a context and a cache-flush buffer each).
+            ours = OWN_CONTEXT_BYTES * (1 + spares_on(f"cuda:{i}"))
+            others = total - free - torch.cuda.memory_reserved(i) - ours
             if others > BUSY_MEMORY_BYTES:
                 notes.append(f"cuda:{i} {BUSY_NOTE}: {others / 2**30:.1f} GiB in use by other work")
                 continue
