@@ -122,7 +122,9 @@ def compile_model(model, *example_args, mode=None, options=None, **example_kwarg
     the compiler fuses everything around our kernels and (reduce-overhead) captures CUDA graphs
     over them. One eager call on the example inputs first shows each op what it is given (it
     runs the model: inputs it writes into, a KV cache, are written); where an op writes into
-    its inputs, the model compiles with static shapes (see _nightshift_compile_kwargs)."""
+    its inputs, the model compiles with static shapes (see _nightshift_compile_kwargs): one
+    graph per input shape and per int argument's value, so a server whose cache length grows
+    call by call recompiles until torch.compile's recompile limit, then runs eager."""
     _nightshift_recording.append(True)
     try:
         with _nightshift_torch.no_grad():
