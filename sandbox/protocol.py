@@ -150,8 +150,8 @@ def recv(sock: socket.socket, timeout: float | None = None, accept_fds: bool = F
         raise ChannelClosed(f"oversized frame ({n_body} + {n_blob} bytes)")
     try:
         header = json.loads(_recv_exact(sock, n_body, deadline))
-    except json.JSONDecodeError as e:
-        raise ChannelClosed(f"malformed frame: {e}") from None
+    except (json.JSONDecodeError, RecursionError) as e:  # nesting deep enough to overflow: forged
+        raise ChannelClosed(f"malformed frame: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise ChannelClosed("malformed frame: header is not an object")
     tensors = None

@@ -351,3 +351,7 @@ def test_tensors_cross_the_wire_as_raw_bytes_a_forged_layout_is_a_broken_channel
         a.sendall(struct.pack("!II", len(body), 16) + body + bytes(16))
         with pytest.raises(protocol.ChannelClosed, match="unloadable"):
             protocol.recv(b, timeout=5)
+    deep = b'{"_layout": ' + b'["L", [' * 5000 + b"]]" * 5000 + b"}"  # deep enough to overflow a parser
+    a.sendall(struct.pack("!II", len(deep), 0) + deep)
+    with pytest.raises(protocol.ChannelClosed, match="malformed"):
+        protocol.recv(b, timeout=5)
