@@ -75,8 +75,8 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
     # import left the interpreter half-initialised, dying of SIGINT instead of exiting 130.
     import torch._dynamo  # noqa: F401
     run = RunFolder.create(runs_dir, loaded.path)
-    on_run(run, str(loaded.path))  # the search's workers may start now, beside the profile
     try:
+        on_run(run, str(loaded.path))  # the search's workers may start now, beside the profile
         with user_code(model), native_stderr_without("USDT:"):
             result = profile_model(loaded, dev, workload, ceilings, trace_path=run.path / "trace.json",
                                    hotspots_path=run.path / "hotspots.json")

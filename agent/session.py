@@ -103,11 +103,15 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
             check_freeze_flags(req.model, req.runs_dir, tolerance=req.tolerance, e2e_tolerance=req.e2e_tolerance,
                                region_tolerance=req.region_tolerance, max_regions=req.max_regions)
             from agent.jobs import profile_and_freeze  # torch: only once the flags are known good
-            res = profile_and_freeze(req.model, req.device, req.workload, req.runs_dir, tolerance=req.tolerance,
-                                     stop_rule=settings.stop_rule, max_regions=req.max_regions, regions=req.regions,
-                                     region_tolerance=req.region_tolerance, e2e_tolerance=req.e2e_tolerance,
-                                     trace=req.trace, trace_keep_own=req.trace_keep_own,
-                                     on_run=_prestart(settings, notes))
+            try:
+                res = profile_and_freeze(req.model, req.device, req.workload, req.runs_dir, tolerance=req.tolerance,
+                                         stop_rule=settings.stop_rule, max_regions=req.max_regions,
+                                         regions=req.regions, region_tolerance=req.region_tolerance,
+                                         e2e_tolerance=req.e2e_tolerance, trace=req.trace,
+                                         trace_keep_own=req.trace_keep_own, on_run=_prestart(settings, notes))
+            except BaseException:  # no search will take the workers started for it
+                drop_spares()
+                raise
             run = res.run
             say(f"run folder {run.path}: froze {', '.join(p.name for p in res.problems) or 'nothing'}")
             for p in res.problems:
