@@ -210,6 +210,10 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
     text += "MODULES = {" + ", ".join(f"{p.winner.region!r}: {p.winner.class_module!r}" for p in parts
                                       if p.winner.class_module) + "}\n"
     text += '"""Region -> the module its class is defined in, when not the model file (patched at run time)."""\n'
+    text += "KERNEL_CHECKS = {" + ", ".join(f"{p.winner.region!r}: {p.renames['runs_kernel']}" for p in parts
+                                            if "runs_kernel" in p.renames) + "}\n"
+    text += ('"""Region -> whether a call runs a kernel of ours (not where its winner leaves a shape to the '
+             'region\'s own code or to torch.compile of it): compile_model compiles the others itself."""\n')
     text += "NEEDS_GPU = {" + ", ".join(f"{p.winner.region!r}: {p.needs_gpu!r}" for p in parts) + "}\n"
     text += '"""Region -> whether its forward runs Triton kernels (which need a GPU or TRITON_INTERPRET=1)."""\n'
     text += "\n\n" + render_code("kernels/_opaque_op.py.j2", p="_nightshift_") + ROUTING

@@ -14,7 +14,7 @@ that are not on a GPU, without Triton's interpreter (TRITON_INTERPRET=1). That f
 once per process.
 """
 
-RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "install", "compile_model", "_nightshift_route",
+RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "install", "compile_model", "_nightshift_route",
             "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
             "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
             "_nightshift_as_op", "_nightshift_recording", "_nightshift_compile_kwargs",
@@ -57,13 +57,20 @@ def _nightshift_route(cls, region, tuned):
     current = cls.__dict__.get("forward")
     original = getattr(current, "__nightshift_original__", None) or cls.forward
     needs_gpu = NEEDS_GPU.get(region, False)
+    check = KERNEL_CHECKS.get(region)
 
     def forward(self, *args, **kwargs):
         # Instances of subclasses were never verified, and the tuned kernels define no backward
         # and were verified for inference only: those calls keep the original forward.
         if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()):
             return original(self, *args, **kwargs)
-        if _nightshift_torch.compiler.is_compiling():
+        compiling = _nightshift_torch.compiler.is_compiling()
+        if (compiling or _nightshift_recording) and check is not None and not check(args, kwargs):
+            # No kernel of ours for this call: the compiler compiles the original itself.
+            if compiling:
+                return original(self, *args, **kwargs)
+            return _nightshift_record(self, region, tuned, args, kwargs, run=original)
+        if compiling:
             made = _nightshift_as_op(self, args, kwargs)
             if made is not None:  # an opaque op: the compiler fuses around our kernel, never into it
                 return made[1](made[0], args, kwargs)
@@ -121,15 +128,17 @@ def compile_model(model, *example_args, mode=None, options=None, **example_kwarg
     """torch.compile(model, mode=..., options=...) with each tuned region an opaque custom op, so
     the compiler fuses everything around our kernels and (reduce-overhead) captures CUDA graphs
     over them. One eager call on the example inputs first shows each op what it is given (it
-    runs the model: inputs it writes into, a KV cache, are written); where an op writes into
-    its inputs, the model compiles with static shapes (see _nightshift_compile_kwargs): one
-    graph per input shape and per int argument's value, so a server whose cache length grows
-    call by call recompiles until torch.compile's recompile limit, then runs eager."""
+    runs the model: inputs it writes into, a KV cache, are written). A call a region runs no
+    kernel of ours for (a shape its winner leaves to the original) runs the original, compiled
+    with the rest. Where an op writes into its inputs or a region picks its kernel by shape, the
+    model compiles with static shapes (see _nightshift_compile_kwargs): one graph per input
+    shape and per int argument's value, so a server whose cache length grows call by call
+    recompiles until torch.compile's recompile limit, then runs eager."""
     _nightshift_recording.append(True)
     try:
         with _nightshift_torch.no_grad():
             model(*example_args, **example_kwargs)
     finally:
         _nightshift_recording.clear()
-    return _nightshift_torch.compile(model, mode=mode, options=options, **_nightshift_compile_kwargs())
+    return _nightshift_torch.compile(model, mode=mode, options=options, **_nightshift_compile_kwargs(per_shape=bool(KERNEL_CHECKS)))
 '''

@@ -1,0 +1,118 @@
+"""Our kernels inside torch.compile ("nightshift + <mode>", and `agent apply`'s compile_model):
+a call runs as an opaque op only where the winner runs a kernel of ours. A shape a per-shape
+dispatcher leaves to the region's own code, or to torch.compile of the region, runs the class's
+own forward, which the outer compiler compiles with the rest: inside an op it ran eager (the
+H200's composed ways read 1.0x where torch.compile alone read 1.7x), and a compile nested in
+reduce-overhead's capture crashed it."""
+
+import importlib.util
+import sys
+
+import torch
+from torch import nn
+
+from agent.prompting import render_code
+from agent.ways import composed_candidate
+from tools.problem import Problem
+
+KERNEL = '''
+CALLS = []
+
+
+def forward(module, x):
+    CALLS.append(tuple(x.shape))
+    return x * module.w + 0.0
+'''
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Scale(), Scale()
+
+    def forward(self, x):
+        return torch.relu(self.b(torch.sin(self.a(x)))) + 1
+
+
+def _load(path, source):
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as the worker loads a candidate
+    spec.loader.exec_module(module)
+    return module
+
+
+def _key(*shape):
+    return f"{shape}:float32"
+
+
+def test_a_dispatcher_runs_as_an_op_only_on_the_shapes_it_has_a_kernel_for(tmp_path):
+    compiled_region = render_code("kernels/torch_compile.py.j2", mode=None, options={})
+    dispatcher = render_code("kernels/dispatch_by_shape.py.j2", kernels=[KERNEL, compiled_region],
+                             table=[{"key": _key(4, 8), "kernel": 0}, {"key": _key(2, 8), "kernel": 1}],
+                             default=None)
+    d = _load(tmp_path / "dispatcher.py", dispatcher)
+    assert d.runs_kernel((torch.ones(4, 8),), {})
+    assert not d.runs_kernel((torch.ones(2, 8),), {})  # torch.compile of the region
+    assert not d.runs_kernel((torch.ones(3, 8),), {})  # the region's own code (the default)
+
+    source = composed_candidate([(Problem.model_construct(name="Scale", region_class="Scale"), dispatcher)],
+                                None).source
+    way = _load(tmp_path / "way.py", source)
+    kernel = next(m for m in way._WINNERS["Scale"]._MODULES if hasattr(m, "CALLS"))
+    ran, tuned = [], way._ROUTES["Scale"]  # what the opaque op runs: the dispatcher, on every shape before
+    way._ROUTES["Scale"] = lambda m, x: ran.append(tuple(x.shape)) or tuned(m, x)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    net = Net().eval()
+    shapes = [(4, 8), (3, 8), (2, 8), (4, 8), (3, 8), (2, 8)]
+    with torch.no_grad():
+        for i, shape in enumerate(shapes):
+            x = torch.randn(*shape)
+            want = torch.relu(torch.sin(x * net.a.w) * net.b.w) + 1
+            got = way.forward(net, x)
+            torch.testing.assert_close(got, want)
+            if i == 0:  # the eager call that records each instance's op: our kernel on its shape
+                assert kernel.CALLS == [(4, 8), (4, 8)]
+                kernel.CALLS.clear()
+                ran.clear()
+    # Compiled: our kernel ran, as the op, on its shape only (two instances, one call); the
+    # others were the class's own code, inside the compiled graph, no break around them.
+    assert kernel.CALLS == [(4, 8)] * 2 and ran == kernel.CALLS, (kernel.CALLS, ran)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert way._compile_kwargs(per_shape=True) == {"dynamic": False}
+    assert way._compile_kwargs() == {}  # no op here writes its inputs
+
+
+def test_a_first_call_with_no_kernel_of_ours_still_records_the_op(tmp_path):
+    """The eager call that shows each op its schema may be a shape the winner leaves to the
+    original: the op is recorded from the original's call (verified alike), and later kernel
+    shapes still run as the op, not behind a graph break."""
+    dispatcher = render_code("kernels/dispatch_by_shape.py.j2", kernels=[KERNEL],
+                             table=[{"key": _key(4, 8), "kernel": 0}], default=None)
+    source = composed_candidate([(Problem.model_construct(name="Scale", region_class="Scale"), dispatcher)],
+                                None).source
+    way = _load(tmp_path / "way.py", source)
+    kernel = way._WINNERS["Scale"]._MODULES[0]
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    net = Net().eval()
+    with torch.no_grad():
+        for shape in [(3, 8), (4, 8), (3, 8), (4, 8)]:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(way.forward(net, x), torch.relu(torch.sin(x * net.a.w) * net.b.w) + 1)
+    assert kernel.CALLS == [(4, 8)] * 4, kernel.CALLS
+    assert all("_nightshift_op" in m.__dict__ for m in (net.a, net.b))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
