@@ -32,7 +32,7 @@ import math
 import random
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tools import timing, verify
 from tools.trial import Candidate, Status, Trial, WorkloadTiming
@@ -182,11 +182,14 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     for k in range(rounds):
         s = seed()
         req = {"set": i, "seed": s, "reps": reps, "key_len": n, "lead_cycles": lead * cycles}
-        rb, wall_b = _batch(ref, {"problem": p.name, **req}, lim.time_s, cand)
-        wall_b -= _upload_ms(rb)  # the reference worker's (trusted), were its copy of the set evicted
-        _note_harness(r, rb)
+
+        def original(lead_ms: float, req: dict = req) -> tuple["Reply", float]:
+            rb, wall_b = _batch(ref, {"problem": p.name, **req, "lead_cycles": lead_ms * cycles}, lim.time_s, cand)
+            _note_harness(r, rb)
+            # less the reference worker's (trusted) copy of the set to the device, were it evicted
+            return rb, wall_b - _upload_ms(rb)
+        samples, per_call, lead, rb = _candidate_run(r, lp, req, original, lead, cycles)
         base_runs.append(_samples(rb))
-        samples, per_call, lead = _candidate_run(r, lp, req, rb, wall_b, lead, cycles)
         cand_runs.append(samples)
         parent.append(per_call)
         if spot.random() < SPOT_CHANCE or (k == rounds - 1 and not spotted):
@@ -227,22 +230,25 @@ def ab_band(base_medians: list[float], cand_medians: list[float], controls: list
     return max(parts["original"], parts["candidate"], spread, cross + spread if cross else 0.0)
 
 
-def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply", wall_b: float, lead: float,
-                   cycles: float) -> tuple[list[float], float, float]:
-    """One timed run of the candidate on the inputs the original's run `rb` just had, bounded by
-    the tuner's clock: the original's run (trusted) shows what the harness costs around the calls
-    (its wall time less its calls), so the candidate's wall time less that is what its calls
-    took. Returns (samples, that time per call, the lead used). A run the clock refutes is
-    repeated, twice at most (with a longer lead where the host fell behind the GPU, so the clock
-    saw idle time), and only the last is judged."""
+def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, original: Callable[[float], tuple],
+                   lead: float, cycles: float) -> tuple[list[float], float, float, "Reply"]:
+    """One timed run of the original (`original(lead)`: its reply and wall time), then of the
+    candidate on the same inputs, bounded by the tuner's clock: the original's run (trusted)
+    shows what the harness costs around the calls (its wall time less its calls), so the
+    candidate's wall time less that is what its calls took. Returns (samples, that time per
+    call, the lead used, the original's run). A run the clock refutes is repeated, twice at most
+    (with a longer lead where the host fell behind the GPU, so the clock saw idle time), and only
+    the last is judged; one that answered sooner than the harness takes is repeated with the
+    original's run too (a hiccup in that one run, 11 ms of 15, refused honest kernels on the H200)."""
     lim, reps = r.limits, req["reps"]
-    b_samples = _samples(rb)
-    overhead = max(0.0, wall_b - sum(b_samples))
-    # What the harness alone costs (copies, checksums, input sets): the original's wall less the
-    # longer of its calls' device time and their host time. No honest run answers sooner.
-    harness = max(0.0, wall_b - max(sum(b_samples), float(rb.header.get("host_calls_ms") or 0.0)))
+    rb, wall_b = original(lead)
     lead_b = lead
     for attempt in range(3):
+        b_samples = _samples(rb)
+        overhead = max(0.0, wall_b - sum(b_samples))
+        # What the harness alone costs (copies, checksums, input sets): the original's wall less the
+        # longer of its calls' device time and their host time. No honest run answers sooner.
+        harness = max(0.0, wall_b - max(sum(b_samples), float(rb.header.get("host_calls_ms") or 0.0)))
         rc, wall_c = _batch(r.worker, {**req, "lead_cycles": lead * cycles}, lim.time_s)
         samples = _samples(rc)
         sums = rc.header.get("checksums")
@@ -254,13 +260,18 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
         # tighter factor refuses honest whole models), and a reply without the run's work
         # cannot carry the checksums of outputs the tuner samples afterwards anyway.
         if wall_c < (0.5 if kind == "cuda" else 0.25) * harness - slack:
+            if attempt < 2:  # a forged reply is forged again; a slow original's run is not repeated
+                rb, wall_b = original(lead)
+                lead_b = lead
+                continue
             raise Refused("suspicious", f"the timed run answered in {wall_c:.1f} ms, sooner than the harness's own "
-                          f"work around the calls takes ({harness:.1f} ms): the reply was not produced by the run")
+                          f"work around the calls takes ({harness:.1f} ms), in each of {attempt + 1} runs beside "
+                          "the original's: the reply was not produced by the run")
         bound = max(0.0, wall_c - overhead - (lead - lead_b))  # a longer lead on a retry is not the calls'
         claimed = sum(samples)
         if claimed >= bound * (1 - CLAIM_REL.get(kind, 0.9)) - slack:
             r.last_checksums = [float(x) for x in sums]
-            return samples, bound / reps, lead
+            return samples, bound / reps, lead, rb
         if kind == "cuda" and attempt < 2:
             # Refuted: measure again before anything else. A run the host fell behind in gets a
             # longer lead; any other may have met a hiccup of the machine (a worker descheduled,
@@ -281,7 +292,7 @@ def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, rb: "Reply"
             # on both sides and squash a small call's speedup toward 1x.
             r.last_checksums = [float(x) for x in sums]
             r.phases["host_bound"] = min(r.phases.get("host_bound", 1.0), claimed / max(bound, 1e-9))
-            return [bound / reps] * reps, bound / reps, lead
+            return [bound / reps] * reps, bound / reps, lead, rb
         raise Refused("suspicious", f"the worker's timings ({claimed / reps:.4g} ms per call) are far below what "
                       f"the tuner's own clock measured for the same run ({bound / reps:.4g} ms per call), "
                       f"in each of {attempt + 1} run(s): timings the clock refutes (the original's run beside "

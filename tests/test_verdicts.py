@@ -276,3 +276,50 @@ def test_a_wait_for_the_shared_reference_worker_is_not_timed_as_its_run():
     _, wall_ms = _batch(ref, {}, 10)
     t.join()
     assert 15 <= wall_ms < 200, wall_ms
+
+
+def test_one_slow_run_of_the_original_does_not_refuse_an_honest_candidate(frozen):
+    """The harness-time check (a reply sooner than the original's harness work is forged) read
+    one run of the original: a hiccup there (11 ms of 15 on the H200) refused honest kernels and a
+    compile baseline as `suspicious`. The original's run is repeated with the candidate's before
+    that is concluded, and a reply forged every time is still refused."""
+    import time as clock
+    problem, _ = frozen["Linear"]
+    runner = TrialRunner("cpu", Limits(budget_ms=30, max_reps=4, rounds=2))
+    try:
+        runner.add_problem(problem)
+        original, batches = runner.reference.request, []
+
+        def hiccup(msg, *a, **k):
+            if msg.get("op") == "batch":
+                batches.append(msg)
+                if len(batches) == 2:  # the first round's original, after the warm-up
+                    clock.sleep(2.0)
+            return original(msg, *a, **k)
+        runner.reference.request = hiccup
+        trial = runner.run(Candidate(region=problem.name, source=OWN))
+        runner.reference.request = original
+    finally:
+        runner.close()
+    assert trial.status is Status.ok, (trial.status, trial.reason)
+    assert len(batches) >= 4  # warm-up, the slow run, its repeat, the second round
+
+
+def test_a_reply_forged_before_the_work_is_still_refused(frozen):
+    problem, _ = frozen["Linear"]
+    runner = TrialRunner("cpu", Limits(budget_ms=30, max_reps=4, rounds=2))
+    try:
+        runner.add_problem(problem)
+        original = runner.reference.request
+
+        def slow_harness(msg, *a, **k):  # every original's run shows 2 s of harness work
+            if msg.get("op") == "batch":
+                import time as clock
+                clock.sleep(2.0)
+            return original(msg, *a, **k)
+        runner.reference.request = slow_harness
+        trial = runner.run(Candidate(region=problem.name, source=OWN))
+    finally:
+        runner.close()
+    assert trial.status is Status.suspicious and "sooner than the harness" in trial.reason, trial.reason
+    assert "in each of 3 runs" in trial.reason, trial.reason
