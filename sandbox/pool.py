@@ -60,15 +60,21 @@ def _shared(device: str) -> tuple[Any, list[TrialRunner]]:
         return lock, _RUNNERS.setdefault(device, [])
 
 
+SEARCH_COMPILE_THREADS = 1
+"""Inductor's compile threads in the search's workers (`WorkerConfig.compile_threads`): a
+region compiles in seconds alone, and a compile pool ended its worker with the trial."""
+
+
 class DevicePool:
     def __init__(self, device: str, problem_dirs: Iterable[Path] = (), *, workers: int = 1,
                  limits: Limits | None = None, memory_gb: float = 8.0, label: str | None = None,
-                 cpu_lock: bool = False):
+                 cpu_lock: bool = False, compile_threads: int | None = None):
         """`device`: `cpu` or `cuda:N`. `label` names the device in trials (default: `device`).
         `cpu_lock`: on the CPU too, one worker verifies or times at a time and the others stop
         meanwhile (integration's ways of running the model); CPU lanes of the search do not wait
-        for each other."""
+        for each other. `compile_threads`: the candidate workers' (WorkerConfig)."""
         self.device, self.label = device, label or device
+        self.compile_threads = compile_threads
         self.limits, self.memory_gb = limits or Limits(), memory_gb
         self.problem_dirs = [Path(d) for d in problem_dirs]
         self.siblings: list[TrialRunner] = []
@@ -90,7 +96,8 @@ class DevicePool:
         self.charge_lock = threading.Lock()
 
     def _runner(self) -> TrialRunner:
-        r = TrialRunner(self.device, self.limits, WorkerConfig(device=self.device, memory_gb=self.memory_gb),
+        cfg = WorkerConfig(device=self.device, memory_gb=self.memory_gb, compile_threads=self.compile_threads)
+        r = TrialRunner(self.device, self.limits, cfg,
                         device_lock=self.lock, reference=self.reference)
         for d in self.problem_dirs:
             r.add_problem(d)

@@ -202,3 +202,34 @@ def test_a_worker_started_ahead_is_adopted_by_the_same_configuration_and_dropped
         mine.kill()
         other.kill()
         C.drop_spares()
+
+
+def test_the_search_workers_compile_in_their_own_process_and_are_prestarted_so(problem_dir, tmp_path):
+    """A torch.compile candidate started inductor's compile pool, which outlived its trial and
+    so ended its worker (9 of 50 trials on the H200 paid a 25-75 s worker start after one). The
+    search's workers compile in their own process (TORCHINDUCTOR_COMPILE_THREADS=1), the spares
+    started ahead for them are configured alike, and integration's ways keep inductor's default."""
+    from agent.executors.local import LocalExecutor, Slot, spare_configs
+
+    def env_of(runner) -> dict:
+        assert runner.worker.start().ok
+        out = {}
+        for pid in runner.worker.members():
+            try:
+                for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    k, _, v = item.decode(errors="replace").partition("=")
+                    out.setdefault(k, v)
+            except OSError:
+                pass
+        return out
+    ex = LocalExecutor([Slot(device="cpu", generation="cpu")], [problem_dir], limits=LIMITS)
+    other = DevicePool("cpu", [problem_dir], limits=LIMITS, cpu_lock=True)
+    try:
+        assert env_of(ex.runners[0]).get("TORCHINDUCTOR_COMPILE_THREADS") == "1"
+        assert "TORCHINDUCTOR_COMPILE_THREADS" not in env_of(other.runners[0])
+    finally:
+        ex.close()
+        other.close()
+    configs = spare_configs("cpu", tmp_path / "run", str(TINY))
+    assert sorted(c.compile_threads or 0 for c in configs) == [0, 1]  # the reference's, the lane's
+    assert all(c.compile_threads == 1 for c in configs if c.role == "candidate")

@@ -22,7 +22,7 @@ from agent.budget import Budget
 from agent.feed import Feed, results_of
 from sandbox.client import WorkerConfig
 from sandbox.spawn import spares_on
-from sandbox.pool import DevicePool
+from sandbox.pool import SEARCH_COMPILE_THREADS, DevicePool
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Trial
 
@@ -121,7 +121,8 @@ def spare_configs(devices: str | None, run_path: Path, model_file: str, memory_g
     slots, _ = parse_devices(devices)
     seen = dict(hide=[str(Path(run_path).resolve())], model_files=[model_file], memory_gb=memory_gb)
     return [c for d, n in _workers(slots, workers_per_device).items()
-            for c in [WorkerConfig(device=d, role="reference", **seen)] + [WorkerConfig(device=d, **seen) for _ in range(n)]]
+            for c in [WorkerConfig(device=d, role="reference", **seen)]
+            + [WorkerConfig(device=d, compile_threads=SEARCH_COMPILE_THREADS, **seen) for _ in range(n)]]
 
 
 class LocalExecutor:
@@ -136,7 +137,8 @@ class LocalExecutor:
         workers = _workers(slots, workers_per_device)
         for s in slots:
             self.lanes += [s] * _lanes(s, slots, workers_per_device)
-        self.pools = {d: DevicePool(d, problem_dirs, workers=n, limits=limits, memory_gb=memory_gb)
+        self.pools = {d: DevicePool(d, problem_dirs, workers=n, limits=limits, memory_gb=memory_gb,
+                                    compile_threads=SEARCH_COMPILE_THREADS)
                       for d, n in workers.items()}
         self.tokens = itertools.count()
 

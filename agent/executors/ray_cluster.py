@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.executors.local import workers_per_gpu
-from sandbox.pool import DevicePool
+from sandbox.pool import SEARCH_COMPILE_THREADS, DevicePool
 from sandbox.runner import Limits
 from tools import seal
 from tools.trial import Candidate
@@ -151,7 +151,7 @@ class TrialActor:
         self.root = Path(tempfile.mkdtemp(prefix=f"nightshift-ray-{generation}-"))
         # On a GPU the pool's DeviceLock names the physical GPU (through Ray's CUDA_VISIBLE_DEVICES).
         self.pool = DevicePool(self.device, unpack_problems(packed, self.root), workers=workers, limits=limits,
-                               memory_gb=memory_gb, label=self.label)
+                               memory_gb=memory_gb, label=self.label, compile_threads=SEARCH_COMPILE_THREADS)
 
     def ready(self) -> dict:
         import socket
