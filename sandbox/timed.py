@@ -98,9 +98,11 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
 def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[WorkloadTiming]:
     out = []
     for i, w in enumerate(lp.problem.workloads):
-        t0 = time.monotonic()
+        t_wait = time.monotonic()
         r.step("waiting for the device")
         with r.device_lock, r.quiet():
+            t0 = time.monotonic()  # a wait for a sibling's verification or timing is lock_wait, not timing
+            r.phases["lock_wait"] = r.phases.get("lock_wait", 0.0) + t0 - t_wait
             r.step(f"timing {w.name}")  # nothing of a sibling worker runs beside a timing
             out.append(_workload(r, lp, i, w.name, budget_ms))
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
