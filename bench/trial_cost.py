@@ -12,7 +12,8 @@ verification, judging, timing) and prints the median seconds of each phase over 
 the device seconds a trial holds, and trials per device-hour at that cost. Phases are the ones
 the runner records per trial (`Trial.phases`):
 
-    start           both workers started and every problem registered (once per worker)
+    start           both workers started and every problem registered (once per worker); of which:
+      start.register  the candidate worker's registering every problem (its inputs, the region built)
     load            importing the candidate and its first call per input shape (compiles)
     lock_wait       waiting for the device lock (sibling workers verifying or timing)
     refs            the reference worker's answers on the trial's fresh and perturbed draws
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
-PHASES = ["start", "load", "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.draw",
+PHASES = ["start", "start.register", "load", "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.draw",
           "time.copy", "time.spot"]
 
 
@@ -124,7 +125,7 @@ def table(rows: list[dict], device: str) -> str:
     for ph in PHASES:
         if not any(ph in r["phases"] for r in rows):
             continue
-        if ph == "start":
+        if ph.startswith("start"):
             lines.append([ph + " (once)"] + [f"{max((r['phases'].get(ph, 0.0) for r in g), default=0):.2f}"
                                              for g in groups])
         else:

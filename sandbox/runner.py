@@ -117,6 +117,7 @@ class TrialRunner:
         started = self.worker.start()
         if not started.ok:
             return started
+        t_reg = time.monotonic()  # of the start: the process and its hello, then every problem's inputs and region
         for name, lp in self.problems.items():
             reply = register(self.worker, lp.problem, lp.folder, self.limits.compile_s)
             if not reply.ok:
@@ -124,6 +125,7 @@ class TrialRunner:
                 return Reply(False, status="crash", error=f"worker could not set up problem {name}: "
                              f"{reply.error or reply.header.get('error')}")
         self.worker_starts_seen = self.worker.starts
+        self.phases["start.register"] = time.monotonic() - t_reg
         return None
 
     # -- one trial ---------------------------------------------------------------------------
