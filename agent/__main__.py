@@ -11,9 +11,12 @@ def end(code) -> None:
     """The process ends here. A daemon thread still running (a planner call left waiting, a
     preload) is unwound by Python 3.11's exit, and one inside torch's C++ code then aborts the
     process ("terminate called without an active exception") after the command had written
-    its results. So with one alive: the exit handlers run, the streams are flushed, and the
-    process ends without finalizing the interpreter."""
-    if not any(t.daemon and t.is_alive() for t in threading.enumerate()):
+    its results. An interrupt can leave a thread that nothing will ever end (one started by a
+    thread pool's submit that the signal cut short, never registered for the pool's shutdown),
+    and the interpreter's exit waited for it forever. So with a daemon thread alive, or after an
+    interrupt: the exit handlers run, the streams are flushed, and the process ends without
+    finalizing the interpreter."""
+    if code != 130 and not any(t.daemon and t.is_alive() for t in threading.enumerate()):
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -15,7 +15,7 @@ STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHU
 def signals_as_interrupts():
     def interrupt(signum, frame):
         from sandbox.client import stop_all
-        stop_all()  # before unwinding: code that catches the interrupt must not keep workers alive
+        stop_all(from_signal=True)  # before unwinding: code that catches the interrupt must not keep workers alive
         raise KeyboardInterrupt(STOP_SIGNALS.get(signum, f"signal {signum}"))
 
     previous = {}

@@ -31,10 +31,13 @@ _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 """Every worker this process has started and not yet killed (`stop_all`)."""
 
 
-def stop_all() -> int:
+def stop_all(from_signal: bool = False) -> int:
     """Kill every worker this process started: a signal or an exit leaves none behind, whatever
-    the code that started them was doing. The number killed."""
-    killed = drop_spares()
+    the code that started them was doing. The number killed. `from_signal`: called by a signal
+    handler, which may have interrupted this very thread inside the spawner's or the spares'
+    lock: nothing then waits for a lock (a SIGTERM during a worker's start hung the tuner on
+    the spawner's), and a start under way is left to the exit's own stop_all."""
+    killed = drop_spares(blocking=not from_signal)
     for w in list(_LIVE):
         try:
             if w.alive:
@@ -42,8 +45,9 @@ def stop_all() -> int:
             w.kill()
         except Exception:  # another thread is killing it too: it goes either way
             pass
-    with contextlib.suppress(Exception):  # a start under way finishes first, so that it is seen below
-        _SPAWNER.submit(lambda: None).result(timeout=30)
+    if not from_signal:
+        with contextlib.suppress(Exception):  # a start under way finishes first, so that it is seen below
+            _SPAWNER.submit(lambda: None).result(timeout=30)
     for proc in list(_SPAWNED):  # started while the signal came, not yet handed to its Worker
         if proc.poll() is None:
             killed += 1

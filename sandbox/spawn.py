@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # Workers die with the thread that started them (PR_SET_PDEATHSIG follows the creating
 # thread), so every worker is started from this one thread, which lives as long as the tuner.
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-spawner")
+# Its thread starts now, not inside a later submit that a signal may cut short: a thread started
+# there but not yet registered is never told to end, and the interpreter's exit waited for it.
+_SPAWNER.submit(lambda: None).result()
 _SPAWNED: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
 """Every worker process, from the moment it exists: a signal can come before its Worker holds it."""
 
@@ -163,11 +166,22 @@ def spares_on(device: str) -> int:
                    if s.device == device and s.proc.poll() is None)
 
 
-def drop_spares() -> int:
-    """Kill every spare no handle adopted; the number killed."""
-    with _SPARES_LOCK:
+def drop_spares(blocking: bool = True) -> int:
+    """Kill every spare no handle adopted; the number killed. Not `blocking` (a signal handler):
+    where the lock is held (by the thread the signal interrupted) the spares are killed from a
+    copy and left listed, for the next drop_spares to clear."""
+    if not _SPARES_LOCK.acquire(blocking):
+        with contextlib.suppress(RuntimeError):  # changed while copied: the next call gets them
+            spares = [s for waiting in list(_SPARES.values()) for s in list(waiting)]
+            for s in spares:
+                _end(s)
+            return len(spares)
+        return 0
+    try:
         spares = [s for waiting in _SPARES.values() for s in waiting]
         _SPARES.clear()
+    finally:
+        _SPARES_LOCK.release()
     for s in spares:
         _end(s)
     return len(spares)

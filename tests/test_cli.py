@@ -253,3 +253,22 @@ def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_pat
         assert got.returncode in (0, 1), (got.returncode, got.stderr[-2000:])  # doctor's own verdict
         assert "terminate called" not in got.stderr
         assert json.loads(got.stdout) and marker.exists()  # its output whole, the exit handlers run
+
+
+def test_an_interrupt_ends_the_command_even_with_a_thread_nothing_will_end(tmp_path):
+    """A SIGTERM that cut a thread pool's submit short left a thread that nothing ever ends (started,
+    never registered for the pool's shutdown); the interpreter's exit waited for it forever (1 in
+    12 runs of the SIGTERM-while-profiling test under load). After an interrupt the command ends
+    with 130 once its exit handlers have run."""
+    marker = tmp_path / "exit-handler-ran"
+    code = ("import atexit, runpy, threading\n"
+            "import agent.cli\n"
+            "threading.Thread(target=threading.Event().wait, name='orphan').start()\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
+            "def interrupted():\n"
+            "    raise KeyboardInterrupt('SIGTERM')\n"
+            "agent.cli.main = interrupted\n"
+            "runpy.run_module('agent', run_name='__main__')\n")
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 130 and marker.exists(), (got.returncode, got.stderr[-2000:])
