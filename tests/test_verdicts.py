@@ -294,7 +294,7 @@ def test_one_slow_run_of_the_original_does_not_refuse_an_honest_candidate(frozen
             if msg.get("op") == "batch":
                 batches.append(msg)
                 if len(batches) == 2:  # the first round's original, after the warm-up
-                    clock.sleep(2.0)
+                    clock.sleep(1.0)
             return original(msg, *a, **k)
         runner.reference.request = hiccup
         trial = runner.run(Candidate(region=problem.name, source=OWN))
@@ -312,10 +312,10 @@ def test_a_reply_forged_before_the_work_is_still_refused(frozen):
         runner.add_problem(problem)
         original = runner.reference.request
 
-        def slow_harness(msg, *a, **k):  # every original's run shows 2 s of harness work
+        def slow_harness(msg, *a, **k):  # every original's run shows a second of harness work
             if msg.get("op") == "batch":
                 import time as clock
-                clock.sleep(2.0)
+                clock.sleep(1.0)
             return original(msg, *a, **k)
         runner.reference.request = slow_harness
         trial = runner.run(Candidate(region=problem.name, source=OWN))
