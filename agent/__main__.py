@@ -2,22 +2,29 @@ import atexit
 import os
 import sys
 import threading
+import time
 import traceback
 
 from agent.cli import main
+
+
+EXIT_AFTER_INTERRUPT_S = 20.0
 
 
 def end(code) -> None:
     """The process ends here. A daemon thread still running (a planner call left waiting, a
     preload) is unwound by Python 3.11's exit, and one inside torch's C++ code then aborts the
     process ("terminate called without an active exception") after the command had written
-    its results. An interrupt can leave a thread that nothing will ever end (one started by a
-    thread pool's submit that the signal cut short, never registered for the pool's shutdown),
-    and the interpreter's exit waited for it forever. So with a daemon thread alive, or after an
-    interrupt: the exit handlers run, the streams are flushed, and the process ends without
-    finalizing the interpreter."""
-    if code != 130 and not any(t.daemon and t.is_alive() for t in threading.enumerate()):
+    its results. So with one alive: the exit handlers run, the streams are flushed, and the
+    process ends without finalizing the interpreter."""
+    if not any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        if code == 130:
+            _end_within(EXIT_AFTER_INTERRUPT_S, code)
         sys.exit(code)
+    _end_now(code)
+
+
+def _end_now(code) -> None:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -25,6 +32,18 @@ def end(code) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+def _end_within(seconds: float, code) -> None:
+    """After an interrupt the interpreter's exit first waits for every other thread (the ones
+    still starting or stopping workers end, then the exit handlers kill what they left), but an
+    interrupt can also leave a thread nothing will ever end (started by a thread pool's submit
+    that the signal cut short, never registered for the pool's shutdown): it waited for that one
+    forever. After `seconds` the exit handlers run here and the process ends."""
+    def last_resort() -> None:
+        time.sleep(seconds)
+        _end_now(code)
+    threading.Thread(target=last_resort, daemon=True, name="nightshift-exit").start()
 
 
 try:

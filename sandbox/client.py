@@ -48,7 +48,7 @@ def stop_all(from_signal: bool = False) -> int:
     if not from_signal:
         with contextlib.suppress(Exception):  # a start under way finishes first, so that it is seen below
             _SPAWNER.submit(lambda: None).result(timeout=30)
-    for proc in list(_SPAWNED):  # started while the signal came, not yet handed to its Worker
+    for proc in _SPAWNED.copy():  # started while the signal came, not yet handed to its Worker
         if proc.poll() is None:
             killed += 1
             with contextlib.suppress(ProcessLookupError, PermissionError):

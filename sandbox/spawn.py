@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +28,15 @@ _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nightshift-spaw
 # Its thread starts now, not inside a later submit that a signal may cut short: a thread started
 # there but not yet registered is never told to end, and the interpreter's exit waited for it.
 _SPAWNER.submit(lambda: None).result()
-_SPAWNED: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
-"""Every worker process, from the moment it exists: a signal can come before its Worker holds it."""
+_SPAWNED: "set[subprocess.Popen]" = set()
+"""Every worker process, from the moment it exists: a signal can come before its Worker holds it.
+Held here until it has ended (a weak set lost the one whose start a SIGTERM cut short: nothing
+else held it, and it outlived the tuner)."""
 
 
 def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    for ended in [p for p in _SPAWNED.copy() if p.returncode is not None]:
+        _SPAWNED.discard(ended)
     proc = subprocess.Popen(argv, **kwargs)
     _SPAWNED.add(proc)
     return proc

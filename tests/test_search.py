@@ -140,7 +140,9 @@ def test_a_real_space_is_tried_to_the_end_and_its_size_is_the_stop_reason(tmp_pa
 
 
 def test_patience_and_the_candidate_cap_stop_a_search_that_has_more_to_try(tmp_path):
-    same = FakeLanes(2, outcome=lambda c: (Status.ok, 1.0))
+    # Trials of 0.2 s: with instant ones, two lanes outran the loop counting their results on a
+    # loaded CI machine (12 trials before patience stopped them, once).
+    same = FakeLanes(2, seconds=lambda c: 0.2, outcome=lambda c: (Status.ok, 1.0))
     outcome, budget, _ = run_fake(tmp_path / "a", CompilerPlanner(device="cpu"), same,
                                   StopRule(max_candidates=5000, patience=6))
     assert outcome.stop_reason.startswith("patience") and 6 <= outcome.trials_run <= 6 + 2 * 2
