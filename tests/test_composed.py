@@ -1,9 +1,9 @@
 """Our kernels inside torch.compile ("nightshift + <mode>", and `agent apply`'s compile_model):
 a call runs as an opaque op only where the winner runs a kernel of ours. A shape a per-shape
 dispatcher leaves to the region's own code, or to torch.compile of the region, runs the class's
-own forward, which the outer compiler compiles with the rest: inside an op it ran eager (the
-H200's composed ways read 1.0x where torch.compile alone read 1.7x), and a compile nested in
-reduce-overhead's capture crashed it."""
+own forward, which the outer compiler compiles with the rest, not a second compile nested in an op
+(suspected, not confirmed, behind the H200's composed ways losing to torch.compile alone and a
+crash inside reduce-overhead's capture)."""
 
 import importlib.util
 import sys

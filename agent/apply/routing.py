@@ -14,7 +14,8 @@ that are not on a GPU, without Triton's interpreter (TRITON_INTERPRET=1). That f
 once per process.
 """
 
-RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "install", "compile_model", "_nightshift_route",
+RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "install", "compile_model",
+            "_nightshift_route",
             "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
             "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
             "_nightshift_as_op", "_nightshift_recording", "_nightshift_compile_kwargs",
@@ -140,5 +141,6 @@ def compile_model(model, *example_args, mode=None, options=None, **example_kwarg
             model(*example_args, **example_kwargs)
     finally:
         _nightshift_recording.clear()
-    return _nightshift_torch.compile(model, mode=mode, options=options, **_nightshift_compile_kwargs(per_shape=bool(KERNEL_CHECKS)))
+    how = _nightshift_compile_kwargs(per_shape=bool(KERNEL_CHECKS))
+    return _nightshift_torch.compile(model, mode=mode, options=options, **how)
 '''
