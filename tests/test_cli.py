@@ -269,6 +269,6 @@ def test_an_interrupt_ends_the_command_even_with_a_thread_nothing_will_end(tmp_p
             "    raise KeyboardInterrupt('SIGTERM')\n"
             "agent.cli.main = interrupted\n"
             "runpy.run_module('agent', run_name='__main__')\n")
-    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NIGHTSHIFT_EXIT_AFTER_INTERRUPT_S": "2"}
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert got.returncode == 130 and marker.exists(), (got.returncode, got.stderr[-2000:])
