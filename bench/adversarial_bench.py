@@ -40,6 +40,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sandbox.jail import describe  # noqa: E402
+from sandbox.pool import DevicePool  # noqa: E402
 from sandbox.runner import Limits, TrialRunner  # noqa: E402
 from tools.trial import Candidate  # noqa: E402
 
@@ -93,9 +94,11 @@ con.print(f"froze {[p.name for p in res.problems]} in {run.path}")
 
 step("candidates, timing on")
 lim = Limits(compile_s=120, run_s=60, time_s=120, budget_ms=150)
-runner = TrialRunner(DEVICE, lim)
-for p in res.problems:
-    runner.add_problem(run.problems_dir / p.name)
+LANES = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--lanes=")), "1"))
+# The lanes of one device pool: on a GPU they share its lock, its reference worker and its
+# quiet (one times at a time, nothing else of theirs running), as a tune's lanes do.
+pool = DevicePool(DEVICE, [run.problems_dir / p.name for p in res.problems], workers=LANES, limits=lim)
+runner = pool.runners[0]
 files = sorted((ROOT / "tests/candidates/adversarial").glob("*.py"))
 if not CPU:
     files += sorted((ROOT / "tests/candidates/gpu").glob("*.py"))
@@ -124,7 +127,6 @@ rows, wrong = [], []
 # the tuner, a sleep past the limit) run alone; the rest run on --lanes runners at once, which
 # only matters for wall time: every verdict is still decided per trial by its own runner.
 SOLO = {"allocates_forever", "signals_parent", "sleeps_forever", "oob_kernel"}
-LANES = int(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--lanes=")), "1"))
 
 
 def judge_file(path: Path, lane_runner: TrialRunner) -> tuple:
@@ -163,11 +165,7 @@ if LANES > 1:
     from concurrent.futures import ThreadPoolExecutor
     import queue
     pool_runners: "queue.Queue[TrialRunner]" = queue.Queue()
-    lane_list = [runner] + [TrialRunner(DEVICE, lim) for _ in range(LANES - 1)]
-    for lr in lane_list[1:]:
-        for p in res.problems:
-            lr.add_problem(run.problems_dir / p.name)
-    for lr in lane_list:
+    for lr in pool.runners:
         pool_runners.put(lr)
 
     def on_lane(path: Path) -> tuple:
@@ -178,8 +176,6 @@ if LANES > 1:
             pool_runners.put(lr)
     with ThreadPoolExecutor(LANES) as ex:
         rows += list(ex.map(on_lane, shared))
-    for lr in lane_list[1:]:
-        lr.close()
 else:
     rows += [judge_file(path, runner) for path in shared]
 rows.sort()
@@ -192,7 +188,7 @@ for region, path in good:
     speed.append((region, path.name, trial.status.value, trial.speedup, trial.noise_band,
                   [(t.workload, round(t.baseline_ms, 4), round(t.candidate_ms, 4), round(t.parent_ms or 0, 4),
                     t.verdict) for t in trial.timings]))
-runner.close()
+pool.close()
 after_run, after_model = digest(run.path), model.read_bytes()
 
 table = Table(title=f"adversarial suite, timing on, {DEVICE} ({iso.kind})")

@@ -13,6 +13,7 @@ this tuner only, and `shared` says so.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import tempfile
@@ -69,3 +70,46 @@ class DeviceLock:
             os.close(self.fd)
             self.fd = None
         self.threads.release()
+
+
+class HostQuiet:
+    """A timing against the tuner's own heavy CPU work beside it: judging a trial's outputs runs
+    outside the device lock (CPU work, on every core torch has), and while another runner timed a
+    host-bound model, it took that worker's cores. Timings hold it alone (`timing`); judges share
+    it (`busy`), wait while a timing runs, and a waiting timing lets no new judge start."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.judging = 0
+        self.timing_now = False
+        self.timings_waiting = 0
+
+    @contextlib.contextmanager
+    def busy(self):
+        with self.cond:
+            while self.timing_now or self.timings_waiting:
+                self.cond.wait()
+            self.judging += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.judging -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def timing(self):
+        with self.cond:
+            self.timings_waiting += 1
+            try:
+                while self.timing_now or self.judging:
+                    self.cond.wait()
+            finally:
+                self.timings_waiting -= 1
+            self.timing_now = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.timing_now = False
+                self.cond.notify_all()

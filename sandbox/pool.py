@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from sandbox.client import WorkerConfig
-from sandbox.device_lock import DeviceLock
+from sandbox.device_lock import DeviceLock, HostQuiet
 from sandbox.reference import ReferenceWorker
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Status, Trial
@@ -34,6 +34,7 @@ from tools.trial import Candidate, Status, Trial
 
 _LOCKS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 _RUNNERS: dict[str, list[TrialRunner]] = {}
+_QUIET: dict[str, HostQuiet] = {}
 _SHARED = threading.Lock()
 
 
@@ -49,15 +50,16 @@ class _CpuLock:  # a threading.Lock cannot be weakly referenced
         self.inner.release()
 
 
-def _shared(device: str) -> tuple[Any, list[TrialRunner]]:
-    """One lock object and one sibling list per device in this process, for every pool on a GPU
-    and every CPU pool that locks (integration's ways, its early baselines): each times alone
-    with all the others' workers stopped, as the runners of one pool do."""
+def _shared(device: str) -> tuple[Any, list[TrialRunner], HostQuiet]:
+    """One lock object, one sibling list and one HostQuiet per device in this process, for every
+    pool on a GPU and every CPU pool that locks (integration's ways, its early baselines): each
+    times alone with all the others' workers stopped and no judging in the tuner beside it, as
+    the runners of one pool do."""
     with _SHARED:
         lock = _LOCKS.get(device)
         if lock is None:
             lock = _LOCKS[device] = DeviceLock(device) if device != "cpu" else _CpuLock()
-        return lock, _RUNNERS.setdefault(device, [])
+        return lock, _RUNNERS.setdefault(device, []), _QUIET.setdefault(device, HostQuiet())
 
 
 SEARCH_COMPILE_THREADS = 1
@@ -80,8 +82,11 @@ class DevicePool:
         self.siblings: list[TrialRunner] = []
         """Each runner's `siblings`: this pool's runners, and every other locking pool's on the device."""
         self.lock: Any = None
+        self.host_quiet: HostQuiet | None = None
+        """Shared by the runners under the lock; CPU lanes that time side by side have none
+        between them (each runner has its own, which only orders its own judge and timing)."""
         if device != "cpu" or cpu_lock:
-            self.lock, self.siblings = _shared(device)
+            self.lock, self.siblings, self.host_quiet = _shared(device)
         self.reference = ReferenceWorker(WorkerConfig(device=device, memory_gb=memory_gb))
         self.runners: list[TrialRunner] = []
         """Every runner of the pool."""
@@ -98,7 +103,7 @@ class DevicePool:
     def _runner(self) -> TrialRunner:
         cfg = WorkerConfig(device=self.device, memory_gb=self.memory_gb, compile_threads=self.compile_threads)
         r = TrialRunner(self.device, self.limits, cfg,
-                        device_lock=self.lock, reference=self.reference)
+                        device_lock=self.lock, reference=self.reference, host_quiet=self.host_quiet)
         for d in self.problem_dirs:
             r.add_problem(d)
         r.siblings = self.siblings  # one list: a runner added later is every runner's sibling at once

@@ -21,6 +21,7 @@ from typing import Any
 
 from sandbox import timed
 from sandbox.client import Reply, Worker, WorkerConfig
+from sandbox.device_lock import HostQuiet
 from sandbox.reference import ReferenceWorker, register
 from sandbox.seeds import seed
 from tools import verify
@@ -73,11 +74,14 @@ _seed_sets: "weakref.WeakKeyDictionary[ReferenceWorker, dict[str, list]]" = weak
 
 class TrialRunner:
     def __init__(self, device: str = "cpu", limits: Limits | None = None, config: WorkerConfig | None = None,
-                 device_lock: "threading.Lock | None" = None, reference: ReferenceWorker | None = None):
+                 device_lock: "threading.Lock | None" = None, reference: ReferenceWorker | None = None,
+                 host_quiet: HostQuiet | None = None):
         self.device = device
         # Held while this runner's workers verify or time, so a sibling worker on the same
         # device only compiles meanwhile and never disturbs a timing.
         self.device_lock = device_lock or contextlib.nullcontext()
+        # Shared with the runners under the same lock: no judging in the tuner beside a timing.
+        self.host_quiet = host_quiet or HostQuiet()
         self.limits = limits or Limits()
         self.config = config or WorkerConfig(device=device)
         self.worker = Worker(self.config)
@@ -320,7 +324,8 @@ class TrialRunner:
                              fresh_sets=[f["set"] for f in fresh], perturbed=refs.tensors["perturbed"],
                              perturbed_set=perturb["set"], pre_inputs=_pre_inputs(lp, reg))
         t_judge = time.monotonic()
-        verdict = verify.judge(p, ev, reply.header, runs, self.device.split(":")[0])
+        with self.host_quiet.busy():
+            verdict = verify.judge(p, ev, reply.header, runs, self.device.split(":")[0])
         self.phases["judge"] = time.monotonic() - t_judge
         return verdict, None
 

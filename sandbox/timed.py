@@ -100,7 +100,7 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
     for i, w in enumerate(lp.problem.workloads):
         t_wait = time.monotonic()
         r.step("waiting for the device")
-        with r.device_lock, r.quiet():
+        with r.device_lock, r.quiet(), r.host_quiet.timing():
             t0 = time.monotonic()  # a wait for a sibling's verification or timing is lock_wait, not timing
             r.phases["lock_wait"] = r.phases.get("lock_wait", 0.0) + t0 - t_wait
             r.step(f"timing {w.name}")  # nothing of a sibling worker runs beside a timing

@@ -75,12 +75,14 @@ def test_runners_of_one_pool_are_siblings_sharing_one_lock_and_one_reference(pro
         assert all(r.siblings == [*gpu.runners, *beside.runners] for r in gpu.runners + beside.runners)
         assert other_gpu.runners[0].siblings == other_gpu.runners
         assert all(r.device_lock is gpu.lock for r in gpu.runners)
+        assert all(r.host_quiet is gpu.host_quiet for r in gpu.runners + beside.runners)  # no judging beside a timing
         with beside.extra_runners(1) as extra:
             assert gpu.runners[0].siblings[-1] is extra[0] and extra[0].device_lock is gpu.lock
         beside.close()
         assert gpu.runners[0].siblings == gpu.runners  # a closed pool's workers are nobody's siblings
         # CPU lanes time side by side: no lock between them, so none stops another (TrialRunner.quiet)
         assert cpu.lock is None and cpu.runners[0].device_lock is not cpu.runners[1].device_lock
+        assert cpu.runners[0].host_quiet is not cpu.runners[1].host_quiet  # nor a judge-timing order
         with ways.extra_runners(2) as extra:
             assert ways.runners == [ways.runners[0], *extra]
             assert all(r.device_lock is ways.lock and r.reference is ways.reference for r in extra)
@@ -233,3 +235,74 @@ def test_the_search_workers_compile_in_their_own_process_and_are_prestarted_so(p
     configs = spare_configs("cpu", tmp_path / "run", str(TINY))
     assert sorted(c.compile_threads or 0 for c in configs) == [0, 1]  # the reference's, the lane's
     assert all(c.compile_threads == 1 for c in configs if c.role == "candidate")
+
+
+def test_no_judging_in_the_tuner_beside_a_timing(problem_dir, monkeypatch):
+    """Judging a trial's outputs is the tuner's own CPU work, outside the device lock; beside
+    another runner's timing of a host-bound model it took that worker's cores. Two runners of
+    a locking pool, a judge slow enough to overlap: no judge runs while a timing does."""
+    from sandbox import timed
+    spans: dict[str, list[tuple[float, float]]] = {"judge": [], "time": []}
+    judge, workload = verify.judge, timed._workload
+
+    def slow_judge(*args, **kwargs):
+        t0 = time.monotonic()
+        time.sleep(0.4)
+        out = judge(*args, **kwargs)
+        spans["judge"].append((t0, time.monotonic()))
+        return out
+
+    def recorded(*args, **kwargs):
+        t0 = time.monotonic()
+        out = workload(*args, **kwargs)
+        spans["time"].append((t0, time.monotonic()))
+        return out
+    monkeypatch.setattr(verify, "judge", slow_judge)
+    monkeypatch.setattr(timed, "_workload", recorded)
+    pool = DevicePool("cpu", [problem_dir], workers=2, limits=LIMITS, cpu_lock=True)
+    trials = []
+    try:
+        lanes = [threading.Thread(target=lambda i=i: trials.extend(pool.run(candidate(variant=2 * i + k))
+                                                                    for k in range(2)))
+                 for i in range(2)]
+        for t in lanes:
+            t.start()
+        for t in lanes:
+            t.join()
+    finally:
+        pool.close()
+    assert [t.status for t in trials] == [Status.ok] * 4, [t.reason for t in trials]
+    assert len(spans["judge"]) == 4 and len(spans["time"]) >= 4
+    overlaps = [(j, w) for j in spans["judge"] for w in spans["time"] if j[0] < w[1] and w[0] < j[1]]
+    assert not overlaps, overlaps
+
+
+def test_a_waiting_timing_lets_no_new_judge_start():
+    from sandbox.device_lock import HostQuiet
+    quiet, order = HostQuiet(), []
+    judging, timing_waits = threading.Event(), threading.Event()
+
+    def judge(name: str, hold: float, started: threading.Event | None = None):
+        with quiet.busy():
+            order.append(f"{name} starts")
+            if started:
+                started.set()
+            time.sleep(hold)
+            order.append(f"{name} ends")
+
+    def timing():
+        timing_waits.set()
+        with quiet.timing():
+            order.append("timing")
+    first = threading.Thread(target=judge, args=("judge 1", 0.5, judging))
+    first.start()
+    judging.wait()
+    t = threading.Thread(target=timing)
+    t.start()
+    timing_waits.wait()
+    time.sleep(0.1)  # the timing waits for judge 1 now
+    second = threading.Thread(target=judge, args=("judge 2", 0.0))
+    second.start()
+    for th in (first, t, second):
+        th.join(timeout=10)
+    assert order == ["judge 1 starts", "judge 1 ends", "timing", "judge 2 starts", "judge 2 ends"], order
