@@ -24,7 +24,8 @@ the runner records per trial (`Trial.phases`):
       time.draw     drawing fresh inputs per repetition (the reference worker's timed runs,
                     host seconds: on CUDA what launching the draws cost the host)
       time.copy     copying and checksumming each repetition's outputs (same)
-      time.spot     the spot check: a repetition's kept output against the original's
+      time.spot     the spot check: fetching a repetition's kept output and the original's answer
+    spot_judge      the spot checks' comparisons (the tuner's CPU, after the device lock is let go)
     other           what no phase names (the torch.compile probe, integrity checks, replies)
 
 Two rates: one trial after another (device s / trial), and with sibling workers loading and
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
 PHASES = ["start", "start.register", "load", "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.draw",
-          "time.copy", "time.spot"]
+          "time.copy", "time.spot", "spot_judge"]
 
 
 def freeze(model: Path, device: str, regions: list[str] | None, runs_dir: Path) -> Path:

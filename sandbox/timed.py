@@ -8,7 +8,8 @@ Per workload, under the device lock, with every sibling worker of the device sto
         the candidate, in its worker, on the same fresh inputs; the tuner's own clock around it
         spot check, in a round drawn AFTER it ran (SPOT_CHANCE, the last round if none yet): one
             repetition picked at random, its output, copied when it was timed, against the
-            original's on the same inputs (the reference worker computes it)
+            original's on the same inputs (the reference worker computes it; the comparison
+            itself runs after the workload, off the device lock, never beside a timing)
         the first round (every round for a whole model): the original in the candidate's
             worker, the A/A across the two processes
 
@@ -100,12 +101,20 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
     for i, w in enumerate(lp.problem.workloads):
         t_wait = time.monotonic()
         r.step("waiting for the device")
+        checks: list[Callable[[], None]] = []
         with r.device_lock, r.quiet(), r.host_quiet.timing():
             t0 = time.monotonic()  # a wait for a sibling's verification or timing is lock_wait, not timing
             r.phases["lock_wait"] = r.phases.get("lock_wait", 0.0) + t0 - t_wait
             r.step(f"timing {w.name}")  # nothing of a sibling worker runs beside a timing
-            out.append(_workload(r, lp, i, w.name, budget_ms))
+            out.append(_workload(r, lp, i, w.name, budget_ms, checks))
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
+        # The spot checks' comparisons are the tuner's CPU work on outputs already in hand: off
+        # the device lock (another runner verifies or times meanwhile), never beside a timing.
+        t_check = time.monotonic()
+        with r.host_quiet.busy():
+            for check in checks:
+                check()
+        r.phases["spot_judge"] = r.phases.get("spot_judge", 0.0) + time.monotonic() - t_check
     return out
 
 
@@ -153,7 +162,9 @@ def _lead_ms(reply: "Reply", reps: int) -> float:
     return min(MAX_LEAD_MS, 1.5 * reps * max(host - dev, 0.0) + 2.0)
 
 
-def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_ms: float) -> WorkloadTiming:
+def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_ms: float,
+              checks: list[Callable[[], None]]) -> WorkloadTiming:
+    """`checks`: each spot check's comparison, to run once the device lock is let go."""
     from sandbox.seeds import seed
     lim, p = r.limits, lp.problem
     ref, cand = r.reference, r.worker
@@ -196,7 +207,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         parent.append(per_call)
         if spot.random() < SPOT_CHANCE or (k == rounds - 1 and not spotted):
             t_spot = time.monotonic()
-            _spot_check(r, lp, i, s, reps)
+            checks.append(_spot_check(r, lp, i, s, reps))
             r.phases["time.spot"] = r.phases.get("time.spot", 0.0) + time.monotonic() - t_spot
             spotted = True
         _tamper(r)
@@ -319,9 +330,10 @@ def _abs_sum(leaves: list) -> float:
     return float(sum(t.double().abs().sum() for t in leaves if t is not None and t.numel()))
 
 
-def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int) -> None:
+def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int) -> Callable[[], None]:
     """One repetition of the last candidate run, picked now, against the original's answer and
-    against the checksum the run committed to when it replied."""
+    against the checksum the run committed to when it replied. The kept output and the answer
+    are fetched now, under the device lock; the comparison that raises `Refused` is returned."""
     lim, p = r.limits, lp.problem
     j = random.SystemRandom().randrange(reps)
     kept = r.worker.request({"op": "kept", "indices": [j]}, timeout=lim.run_s)
@@ -339,13 +351,18 @@ def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int
     if not want.ok:
         raise Refused("lost", f"the reference worker failed: {want.error}", want)
     claimed = (getattr(r, "last_checksums", None) or [None] * reps)[j]
+    return lambda: _spot_compare(lp, i, j, s, got, want.tensors["fresh"][0], claimed)
+
+
+def _spot_compare(lp: "LoadedProblem", i: int, j: int, s: int, got: Any, want: Any, claimed: float | None) -> None:
+    p = lp.problem
     seen = float(timing.checksum(got, timing.checksum_period(_elements(lp, i), s, "cpu")))
     # The slack for cancellation, a float64 pass over the outputs, is only summed when it is needed.
     if claimed is None or not (math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3)
                                or math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3 + 1e-5 * _abs_sum(got))):
         raise Refused("suspicious", f"timed repetition {j} on {p.workloads[i].name}: the output kept for it does not "
                       "match the checksum the timed run reported (the run's outputs were not what was timed)")
-    err = verify.judge_outputs(p, i, got, want.tensors["fresh"][0])
+    err = verify.judge_outputs(p, i, got, want)
     tol = p.tolerance_for(i)
     if not err <= tol.value:
         raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: error {err:.3g} > tolerance {tol} "
