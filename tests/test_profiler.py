@@ -119,7 +119,7 @@ def _load(tmp_path, name, source):
 def blocks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blocks")
     loaded = _load(tmp, "blocks.py", BLOCKS)
-    result = profile_model(loaded, "cpu", None, CEILINGS, iters=2, warmup=1, trace_path=tmp / "trace.json",
+    result = profile_model(loaded, "cpu", None, CEILINGS, iters=3, warmup=1, trace_path=tmp / "trace.json",
                            hotspots_path=tmp / "hotspots.json", small_kernel_us=1e9)
     return loaded, result, tmp
 
