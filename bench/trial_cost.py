@@ -14,6 +14,9 @@ the runner records per trial (`Trial.phases`):
 
     start           both workers started and every problem registered (once per worker); of which:
       start.register  the candidate worker's registering every problem (its inputs, the region built)
+        .files        of which loading each problem's inputs and state
+        .import       importing the model file (its libraries load ahead, after the worker's hello)
+        .build        building each region on the device
     load            importing the candidate and its first call per input shape (compiles)
     lock_wait       waiting for the device lock (sibling workers verifying or timing)
     refs            the reference worker's answers on the trial's fresh and perturbed draws
@@ -46,7 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
-PHASES = ["start", "start.register", "load", "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.draw",
+PHASES = ["start", "start.register", "start.register.files", "start.register.import", "start.register.build", "load",
+          "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.draw",
           "time.copy", "time.spot", "spot_judge"]
 
 

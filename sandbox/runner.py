@@ -65,6 +65,10 @@ class LoadedProblem:
     pre_inputs: list | None = None
 
 
+REGISTER_PARTS = ("files", "import", "build")
+"""What a problem's registration in a worker spent: loading its inputs and state, importing the
+model file (once per file), building the region on the device."""
+
 SEED_SETS = 2
 """Fresh-input and perturbation draws per problem and reference worker, used in turn: the
 original's answers to each are computed once and kept (a draw costs the reference worker the
@@ -124,6 +128,9 @@ class TrialRunner:
         t_reg = time.monotonic()  # of the start: the process and its hello, then every problem's inputs and region
         for name, lp in self.problems.items():
             reply = register(self.worker, lp.problem, lp.folder, self.limits.compile_s)
+            for part, s in (reply.header.get("parts") or {}).items():  # the worker's own account
+                if part in REGISTER_PARTS and isinstance(s, (int, float)) and 0 <= s < 1e5:
+                    self.phases[f"start.register.{part}"] = self.phases.get(f"start.register.{part}", 0.0) + s
             if not reply.ok:
                 self.worker.kill()
                 return Reply(False, status="crash", error=f"worker could not set up problem {name}: "

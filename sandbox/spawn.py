@@ -93,7 +93,7 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
     tmpdir = tempfile.mkdtemp(prefix="nightshift-worker-")
     cmd = [sys.executable, "-m", "sandbox.worker", "--parent", str(os.getpid()), "--device", kind,
            "--role", cfg.role, "--memory-gb", str(cfg.memory_gb),
-           "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)]
+           "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)] + [a for m in cfg.model_files for a in ("--preload", m)]
     argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
                                   model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda")
     if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":

@@ -95,12 +95,14 @@ class Worker:
     def op_problem(self, req: dict, _: Any) -> tuple[dict, Any]:
         """Register a problem: the region rebuilt from the model file and the frozen state."""
         torch = self.torch
+        from tools.modelfile import import_model_file
         from tools.region import build_region, seeded
         if self.candidates_run:
             return {"ok": False, "error": "this worker has run candidate code; problems need a fresh worker"}, None
         fds = req.get("_fds") or []
         if len(fds) != 3:
             return {"ok": False, "error": "expected the inputs, state and model files"}, None
+        t0 = time.perf_counter()
         with os.fdopen(fds[0], "rb") as f:
             inputs = torch.load(f, weights_only=True, map_location="cpu")
         with os.fdopen(fds[1], "rb") as f:
@@ -108,15 +110,19 @@ class Worker:
         with os.fdopen(fds[2], "rb") as f:
             model_source = f.read()
         os.environ.update(isolation.model_settings(req.get("env") or {}))
-        region = build_region(self._model_copy(req["model_file"], model_source), req["region_path"], state,
-                              self.device, on_meta=bool(req.get("meta", True)))
+        t1 = time.perf_counter()
+        model_copy = self._model_copy(req["model_file"], model_source)
+        import_model_file(model_copy)  # once per model file; timed apart from the build
+        t2 = time.perf_counter()
+        region = build_region(model_copy, req["region_path"], state, self.device, on_meta=bool(req.get("meta", True)))
         del state
+        parts = {"files": t1 - t0, "import": t2 - t1, "build": time.perf_counter() - t2}
         # A region drawing random numbers is called seeded, the original and candidates alike
         # (tools.region.CALL_SEED); timed runs too, so both sides pay for the seeding.
         wrap = seeded if req.get("seeded") else (lambda f: f)
         self.problems[req["name"]] = {"region": region, "forward": wrap(type(region).forward), "inputs": inputs,
                                       "wrap": wrap}
-        header: dict[str, Any] = {"ok": True}
+        header: dict[str, Any] = {"ok": True, "parts": parts}
         payload = None
         if self.role == "reference":
             header["effects"], payload = self._original_effects(self.problems[req["name"]])
@@ -420,6 +426,7 @@ def main() -> None:
     ap.add_argument("--jailed", action="store_true")
     ap.add_argument("--memory-gb", type=float, default=0)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    ap.add_argument("--preload", action="append", default=[], help="a model file whose library imports to load early")
     args = ap.parse_args()
     report = {"parent_death": "bubblewrap (--die-with-parent)" if args.jailed else isolation.die_with_parent(args.parent),
               "user": isolation.drop_privileges() if args.jailed else "same user as the tuner",
@@ -452,6 +459,15 @@ def main() -> None:
         hello["triton"] = f"unavailable ({e})"
     worker = Worker(sock, args.device, args.role)
     protocol.send(sock, {**hello, "ok": True})
+    # The model file's libraries (transformers: seconds) load now, before any request: in a
+    # worker started ahead of the search that is while the model is still being frozen.
+    from tools.modelfile import preload_imports
+    for path in args.preload:
+        try:
+            with open(path, encoding="utf-8") as f:
+                preload_imports(f.read(), path)
+        except OSError:
+            pass
     worker.serve()
     sys.stdout.flush()
     os._exit(0)

@@ -214,3 +214,49 @@ def test_llama_rmsnorm_and_mlp_match_formulas(small_llama):
         want = (gate * torch.sigmoid(gate) * up) @ mlp.down_proj.weight.T
         torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
     assert not torch.equal(norm.weight, torch.ones_like(norm.weight))
+
+
+def test_library_imports_are_the_files_own_top_level_absolute_imports():
+    from tools.modelfile import library_imports
+    source = (
+        "import torch, numpy as np\n"
+        "from transformers import LlamaConfig, LlamaModel\n"
+        "from . import sibling\n"
+        "from .layers import Block\n"
+        "try:\n    from flash_attn import flash_attn_func\nexcept ImportError:\n    import math\n"
+        "if True:\n    import os.path\n"
+        "def forward():\n    import secret_inside_a_function\n"
+        "class Model:\n    import also_not_top_level\n")
+    assert library_imports(source) == [("torch", ()), ("numpy", ()), ("transformers", ("LlamaConfig", "LlamaModel")),
+                                       ("flash_attn", ("flash_attn_func",)), ("math", ()), ("os.path", ())]
+    assert library_imports("def broken(:\n") == []
+
+
+def test_a_worker_loads_the_model_files_libraries_before_its_first_problem(tmp_path, monkeypatch):
+    """A worker imports the model file's libraries (without running the file) once it has said
+    hello: the seconds transformers takes are spent before the first problem arrives, while the
+    model is still being frozen for a worker started ahead. The registration's import is then
+    quick."""
+    from agent.jobs import profile_and_freeze
+    from sandbox.runner import TrialRunner
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "slowlib.py").write_text("import time\ntime.sleep(2.0)\nSCALE = 2.0\n")
+    model = folder / "scaled.py"
+    model.write_text("import torch\nfrom slowlib import SCALE\n\n\n"
+                     "class Model(torch.nn.Module):\n"
+                     "    def __init__(self):\n        super().__init__()\n        self.lin = torch.nn.Linear(8, 8)\n\n"
+                     "    def forward(self, x):\n        return self.lin(x) * SCALE\n\n\n"
+                     "def get_init_inputs():\n    return []\n\n\n"
+                     "def get_inputs():\n    return [torch.randn(4, 8)]\n")
+    monkeypatch.syspath_prepend(str(folder))  # the tuner's own import of it; a worker's sees the folder
+    run = profile_and_freeze(model, "cpu", None, tmp_path / "runs", regions=["Linear"]).run
+    runner = TrialRunner("cpu")
+    try:
+        runner.add_problem(run.problems_dir / "Linear")
+        assert runner._ensure_worker() is None  # started, then the problem registered
+        parts = {k: v for k, v in runner.phases.items() if k.startswith("start.register.")}
+    finally:
+        runner.close()
+    assert set(parts) == {"start.register.files", "start.register.import", "start.register.build"}
+    assert parts["start.register.import"] < 1.0, parts  # slowlib's 2 s were spent before it

@@ -340,3 +340,45 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
                     w.pristine = host_copy(fresh[w.name].inputs)
                     w.inputs = to_device(fresh[w.name].inputs, device)
     return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs, env)
+
+
+def library_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The absolute imports at a model file's top level (inside `if`/`try` too), as (module,
+    names imported from it): what a worker can import ahead of the model file without running
+    any of the file's own code. Relative imports and a file that does not parse give nothing."""
+    import ast
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out: list[tuple[str, tuple[str, ...]]] = []
+
+    def visit(body: list) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.extend((a.name, ()) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out.append((node.module, tuple(a.name for a in node.names if a.name != "*")))
+            elif isinstance(node, (ast.If, ast.Try)):
+                for part in (node.body, node.orelse, *(h.body for h in getattr(node, "handlers", [])),
+                             getattr(node, "finalbody", [])):
+                    visit(part)
+    visit(tree.body)
+    return out
+
+
+def preload_imports(source: str, path: str | None = None) -> None:
+    """Import what `library_imports` names, names included (transformers loads a model class's
+    module only when the name is looked up: most of its import time). The model file's folder
+    serves sibling modules, as for its own import. Failures are left for that import to report."""
+    folder = os.path.dirname(path) if path else ""
+    if folder and os.access(folder, os.R_OK | os.X_OK) and folder not in sys.path:
+        sys.path.append(folder)
+    for module, names in library_imports(source):
+        try:
+            mod = importlib.import_module(module)
+            for n in names:
+                if not hasattr(mod, n):
+                    importlib.import_module(f"{module}.{n}")
+        except Exception:
+            continue
