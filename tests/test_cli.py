@@ -237,6 +237,7 @@ def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_pat
     while a planner call was still running. The command's own exit code comes back, every time."""
     marker = tmp_path / "exit-handler-ran"
     code = ("import atexit, runpy, sys, threading, torch\n"
+            "torch.set_num_threads(1)  # busy inside torch on one core, not on every core of the machine\n"
             "x = torch.randn(600, 600)\n"
             "def busy():\n"
             "    while True:\n"
@@ -246,13 +247,11 @@ def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_pat
             "sys.argv = ['agent', 'doctor', '--json']\n"
             "runpy.run_module('agent', run_name='__main__')\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for _ in range(2):
-        marker.unlink(missing_ok=True)
-        got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=120)
-        assert got.returncode in (0, 1), (got.returncode, got.stderr[-2000:])  # doctor's own verdict
-        assert "terminate called" not in got.stderr
-        assert json.loads(got.stdout) and marker.exists()  # its output whole, the exit handlers run
+    # One run: the plain interpreter exit aborts there every time (3 of 3 on torch 2.13, CPU).
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode in (0, 1), (got.returncode, got.stderr[-2000:])  # doctor's own verdict
+    assert "terminate called" not in got.stderr
+    assert json.loads(got.stdout) and marker.exists()  # its output whole, the exit handlers run
 
 
 def test_an_interrupt_ends_the_command_even_with_a_thread_nothing_will_end(tmp_path):
