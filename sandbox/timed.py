@@ -110,11 +110,12 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
         # The spot checks' comparisons are the tuner's CPU work on outputs already in hand: off
         # the device lock (another runner verifies or times meanwhile), never beside a timing.
-        t_check = time.monotonic()
-        with r.host_quiet.busy():
-            for check in checks:
-                check()
-        r.phases["spot_judge"] = r.phases.get("spot_judge", 0.0) + time.monotonic() - t_check
+        if checks:
+            t_check = time.monotonic()
+            with r.host_quiet.busy():
+                for check in checks:
+                    check()
+            r.phases["spot_judge"] = r.phases.get("spot_judge", 0.0) + time.monotonic() - t_check
     return out
 
 

@@ -325,9 +325,7 @@ class Worker:
             with open(path + ".tmp", "wb") as f:
                 f.write(source)
             os.replace(path + ".tmp", path)
-        parent = os.path.dirname(original)
-        if os.access(parent, os.R_OK | os.X_OK) and parent not in sys.path:
-            sys.path.append(parent)
+        _serve_siblings(original)
         return path
 
     def _loaded(self) -> tuple[dict, dict]:
@@ -417,6 +415,13 @@ class Worker:
                                           "nonce": nonce})
 
 
+def _serve_siblings(model_file: str) -> None:
+    """The model file's own folder, where visible, serves the modules it imports beside it."""
+    parent = os.path.dirname(model_file)
+    if os.access(parent, os.R_OK | os.X_OK) and parent not in sys.path:
+        sys.path.append(parent)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fd", type=int, required=True)
@@ -465,9 +470,11 @@ def main() -> None:
     for path in args.preload:
         try:
             with open(path, encoding="utf-8") as f:
-                preload_imports(f.read(), path)
+                source = f.read()
         except OSError:
-            pass
+            continue
+        _serve_siblings(path)
+        preload_imports(source)
     worker.serve()
     sys.stdout.flush()
     os._exit(0)

@@ -367,13 +367,10 @@ def library_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
     return out
 
 
-def preload_imports(source: str, path: str | None = None) -> None:
+def preload_imports(source: str) -> None:
     """Import what `library_imports` names, names included (transformers loads a model class's
-    module only when the name is looked up: most of its import time). The model file's folder
-    serves sibling modules, as for its own import. Failures are left for that import to report."""
-    folder = os.path.dirname(path) if path else ""
-    if folder and os.access(folder, os.R_OK | os.X_OK) and folder not in sys.path:
-        sys.path.append(folder)
+    module only when the name is looked up: most of its import time). Failures are left for the
+    model file's own import to report."""
     for module, names in library_imports(source):
         try:
             mod = importlib.import_module(module)
