@@ -18,9 +18,11 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
 # Only these reach a worker; everything else (API keys, cloud credentials, tokens) stays out.
+# Inductor's settings (TORCHINDUCTOR_*) are the user's: a compile mode is measured as they get it
+# (its cache folder is the harness's own, and its compile threads where the harness sets them).
 ENV_ALLOW = re.compile(
     r"^(PATH|LANG|LC_[A-Z]+|TZ|PYTHONPATH|PYTHONHASHSEED|LD_LIBRARY_PATH|CUDA_HOME|CUDA_PATH|"
-    r"ROCM_PATH|HIP_PATH|TRITON_[A-Z_]+|NCCL_[A-Z_]+|TORCH_[A-Z_]+|NVSHMEM_[A-Z_]+|"
+    r"ROCM_PATH|HIP_PATH|TRITON_[A-Z_]+|NCCL_[A-Z_]+|TORCH_[A-Z_]+|TORCHINDUCTOR_[A-Z_]+|NVSHMEM_[A-Z_]+|"
     r"OMP_NUM_THREADS|MKL_NUM_THREADS|OPENBLAS_[A-Z_]+|NVIDIA_[A-Z_]+|NIGHTSHIFT_WORKER)$")
 SECRET_HINT = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 

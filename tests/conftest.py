@@ -13,6 +13,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "llama.py"
+# Inductor on the CPU first builds and loads test programs for each vector ISA the CPU reports,
+# once per cache folder, and every sandbox worker has a fresh one: about 6 of a small model's 10 s
+# compile. The suite trusts what the CPU reports (the setting reaches workers and subprocesses).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
 @pytest.fixture(scope="session")

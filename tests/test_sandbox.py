@@ -278,9 +278,12 @@ def _hold(worker, seconds: float) -> None:
 def test_worker_environment_is_scrubbed():
     from sandbox.isolation import worker_env
     env = worker_env({"PATH": "/bin", "OPENAI_API_KEY": "x", "TRITON_CACHE_DIR": "/c", "AWS_SECRET_ACCESS_KEY": "y",
-                      "TORCH_AUTH_TOKEN": "z", "HF_TOKEN": "t", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"},
+                      "TORCH_AUTH_TOKEN": "z", "HF_TOKEN": "t", "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root",
+                      "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS": "TRITON"},
                      "/tmp/w", None)
     assert env["PATH"] == "/bin" and env["TRITON_CACHE_DIR"] == "/c" and env["HOME"] == "/tmp/w"
+    # the user's inductor settings shape the compile modes measured against us, as they shape theirs
+    assert env["TORCHINDUCTOR_MAX_AUTOTUNE_GEMM_BACKENDS"] == "TRITON"
     # inductor's cache is the worker's own, never the tuner's (which the worker may not write)
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/w/torchinductor"
     # ...also when the model file read the tuner's at freeze time (transformers' import does):
