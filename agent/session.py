@@ -29,12 +29,18 @@ from agent.progress import Progress
 from agent.settings import SETTINGS_KEY, TuneSettings, recorded, resolve
 from agent.signals import signals_as_interrupts
 from agent.tuning import check_executor, check_planner, run_tune
-from sandbox.client import drop_spares
 from tools.problem import ProblemError
 from tools.runfolder import RunFolder, clean_stale_worker_dirs
 
 INTERRUPTED = 130
 SEARCH_FAILED = 1
+
+
+def drop_spares() -> None:
+    """Workers started ahead that no pool took end (sandbox/client.py; imported here, not at the
+    top: it imports torch, and a bad flag is answered before that second)."""
+    from sandbox.client import drop_spares as drop
+    drop()
 
 
 @dataclass
