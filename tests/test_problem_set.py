@@ -61,16 +61,19 @@ def test_the_set_has_three_levels_and_twenty_problems():
 
 def _choices(loaded) -> list[RegionChoice]:
     """Every class that qualifies as a region (coverage 1.0: which classes qualify is under test,
-    not where a CPU profile crosses 90%), from the best of up to three profiles: on a loaded
-    two-core machine one preempted op can put a fifth of a tiny model's time in a residual add
-    (and once put Mistral's MLP under the 5% a region needs by default: 1% here)."""
-    best: tuple[float, list] = (-1.0, [])
-    for _ in range(3):
-        rows = select_regions(profile_model(loaded, "cpu", None, None, iters=3, warmup=1), coverage=1.0, min_share=0.01)
-        best = max(best, (sum(r.share for r in rows), rows), key=lambda b: b[0])
-        if best[0] >= 0.9:
+    not where a CPU profile crosses 90%), from the least disturbed of two or three profiles (the
+    one whose forwards took least): on a loaded two-core machine preempted ops once put a fifth of
+    a tiny model's time in a residual add (Mistral's MLP fell under the 5% a region needs by
+    default: 1% here), and a third of LlamaModel's in its own mask ops, which took it whole."""
+    runs = []
+    for k in range(3):
+        result = profile_model(loaded, "cpu", None, None, iters=3, warmup=1)
+        rows = select_regions(result, coverage=1.0, min_share=0.01)
+        runs.append((max(c.inclusive_ms for c in result.by_class), rows))
+        least = min(runs, key=lambda r: r[0])[1]
+        if k >= 1 and sum(r.share for r in least) >= 0.9:
             break
-    return [RegionChoice(r.class_name, r.share) for r in best[1]]
+    return [RegionChoice(r.class_name, r.share) for r in least]
 
 
 @pytest.fixture(scope="module")
