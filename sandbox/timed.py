@@ -7,9 +7,10 @@ Per workload, under the device lock, with every sibling worker of the device sto
         the original, in the reference worker          -> its samples are trusted
         the candidate, in its worker, on the same fresh inputs; the tuner's own clock around it
         spot check, in a round drawn AFTER it ran (SPOT_CHANCE, the last round if none yet): one
-            repetition picked at random, its output, copied when it was timed, against the
-            original's on the same inputs (the reference worker computes it; the comparison
-            itself runs after the workload, off the device lock, never beside a timing)
+            repetition, picked at random before the round and told to the reference worker only,
+            its output, copied when it was timed, against the original's on the same inputs (kept
+            by the reference worker from its run; the comparison itself runs after the workload,
+            off the device lock, never beside a timing)
         the first round (every round for a whole model): the original in the candidate's
             worker, the A/A across the two processes
 
@@ -196,9 +197,13 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     for k in range(rounds):
         s = seed()
         req = {"set": i, "seed": s, "reps": reps, "key_len": n, "lead_cycles": lead * cycles}
+        # The repetition a spot check would take, drawn now and told to the reference worker only
+        # (it keeps that repetition's answer); whether this round is checked is drawn after it ran.
+        j = spot.randrange(reps)
 
-        def original(lead_ms: float, req: dict = req) -> tuple["Reply", float]:
-            rb, wall_b = _batch(ref, {"problem": p.name, **req, "lead_cycles": lead_ms * cycles}, lim.time_s, cand)
+        def original(lead_ms: float, req: dict = req, j: int = j) -> tuple["Reply", float]:
+            rb, wall_b = _batch(ref, {"problem": p.name, **req, "lead_cycles": lead_ms * cycles, "keep_index": j},
+                                lim.time_s, cand)
             _note_harness(r, rb)
             # less the reference worker's (trusted) copy of the set to the device, were it evicted
             return rb, wall_b - _upload_ms(rb)
@@ -208,7 +213,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         parent.append(per_call)
         if spot.random() < SPOT_CHANCE or (k == rounds - 1 and not spotted):
             t_spot = time.monotonic()
-            checks.append(_spot_check(r, lp, i, s, reps))
+            checks.append(_spot_check(r, lp, i, s, j))
             r.phases["time.spot"] = r.phases.get("time.spot", 0.0) + time.monotonic() - t_spot
             spotted = True
         _tamper(r)
@@ -331,12 +336,12 @@ def _abs_sum(leaves: list) -> float:
     return float(sum(t.double().abs().sum() for t in leaves if t is not None and t.numel()))
 
 
-def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int) -> Callable[[], None]:
-    """One repetition of the last candidate run, picked now, against the original's answer and
-    against the checksum the run committed to when it replied. The kept output and the answer
-    are fetched now, under the device lock; the comparison that raises `Refused` is returned."""
+def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> Callable[[], None]:
+    """Repetition `j` of the last candidate run (drawn before it, never told to its worker)
+    against the original's answer, kept by the reference worker from its run on the same inputs,
+    and against the checksum the run committed to when it replied. Both are fetched now, under
+    the device lock; the comparison that raises `Refused` is returned."""
     lim, p = r.limits, lp.problem
-    j = random.SystemRandom().randrange(reps)
     kept = r.worker.request({"op": "kept", "indices": [j]}, timeout=lim.run_s)
     if not kept.ok:
         raise Refused("crash", kept.error, kept)
@@ -347,12 +352,23 @@ def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, reps: int
     bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0])
     if bad:
         raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")
-    want = r.reference.request({"op": "refs", "problem": p.name, "fresh": [{"set": i, "seed": s + 1000003 * j}]},
-                               timeout=lim.run_s)
+    want = _answer(r, lp, i, s, j)
+    claimed = (getattr(r, "last_checksums", None) or [None] * (j + 1))[j]
+    return lambda: _spot_compare(lp, i, j, s, got, want, claimed)
+
+
+def _answer(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> list:
+    """The original's output on repetition `j`'s inputs: the one the reference worker kept from
+    its timed run, or (dropped there: another runner's timings on a lane without the lock came
+    between) computed again on the same draw."""
+    kept = r.reference.request({"op": "kept", "seed": s}, timeout=r.limits.run_s)
+    if kept.ok and (got := ((kept.tensors or {}).get("outputs") or [None])[0]) is not None:
+        return got
+    want = r.reference.request({"op": "refs", "problem": lp.problem.name,
+                                "fresh": [{"set": i, "seed": s + 1000003 * j}]}, timeout=r.limits.run_s)
     if not want.ok:
         raise Refused("lost", f"the reference worker failed: {want.error}", want)
-    claimed = (getattr(r, "last_checksums", None) or [None] * reps)[j]
-    return lambda: _spot_compare(lp, i, j, s, got, want.tensors["fresh"][0], claimed)
+    return want.tensors["fresh"][0]
 
 
 def _spot_compare(lp: "LoadedProblem", i: int, j: int, s: int, got: Any, want: Any, claimed: float | None) -> None:

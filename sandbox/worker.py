@@ -42,6 +42,9 @@ FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch
               "CUDA error", "misaligned address", "CUBLAS_STATUS_EXECUTION_FAILED", "HIP error")
 BASE_SETS = 4
 """Frozen input sets a worker keeps on its device for timed runs (a workload's runs use one)."""
+ANSWERS = 2
+"""Timed runs' kept answers the reference worker holds (one output each, on the device): a
+spot check fetches its answer right after its round, under the same hold of the device lock."""
 
 
 class Failure(Exception):
@@ -88,6 +91,10 @@ class Worker:
         """(problem, input set, control) -> the timed runs' inputs written in place, kept at one address."""
         self.kept: list = []
         """Output copies of the last candidate batch, until the tuner picks its sample."""
+        self.answers: dict[int, tuple] = {}
+        """The reference worker's: one repetition's output of its recent timed runs, by the run's
+        seed (`keep_index`, drawn by the tuner and never sent to the candidate's worker): the
+        answer a spot check compares with, without running the original again."""
         self.base_sets: dict[tuple, tuple] = {}
         """(problem, input set) -> that frozen set on the device, for timed runs (`_base_set`)."""
 
@@ -155,7 +162,9 @@ class Worker:
             fwd, module = self.candidate["forward"], self.candidate["module"]
             # The same call path as the original's above: a wrapper here would be timed as the candidate's.
             call = lambda a: fwd(module, *a[0], **a[1])  # noqa: E731
-        keep = self.role == "candidate" and not req.get("control")
+        keep: bool | set[int] = self.role == "candidate" and not req.get("control")
+        if self.role == "reference" and isinstance(req.get("keep_index"), int):
+            keep = {req["keep_index"]}
         self.kept = []
         with self.torch.no_grad():
             try:
@@ -167,7 +176,12 @@ class Worker:
             except BaseException as e:
                 raise classify(e, "run")
         kept = got.pop("kept")
-        self.kept = kept if keep else []
+        self.kept = kept if keep is True else []
+        if isinstance(keep, set) and (answer := next((k for k in kept if k is not None), None)) is not None:
+            self.answers.pop(seed, None)
+            self.answers[seed] = answer
+            while len(self.answers) > ANSWERS:  # rounds that were not spot-checked
+                self.answers.pop(next(iter(self.answers)))
         # No integrity check here: the tuner's clock around this request is compared with the
         # original's run of the same shape, so it must do the same work and nothing more.
         return {**got, "timing_kind": "cuda" if self.clock else "cpu", "upload_ms": upload_ms,
@@ -303,7 +317,12 @@ class Worker:
         return verify_runs.outputs(self)
 
     def op_kept(self, req: dict, _: Any) -> tuple[dict, Any]:
-        """The output copies of the last batch's repetitions the tuner picked, then none."""
+        """The output copies of the last batch's repetitions the tuner picked, then none; in the
+        reference worker, the answer kept from the timed run of `seed` (none if it was dropped)."""
+        if self.role == "reference":
+            got = self.answers.pop(req.get("seed"), None)
+            return {"meta": [None if got is None else got[1]]}, {
+                "outputs": [None if got is None else [None if t is None else T.plain_tensor(t) for t in got[0]]]}
         picked = []
         for i in req.get("indices", []):
             got = self.kept[i] if isinstance(i, int) and 0 <= i < len(self.kept) else None

@@ -165,6 +165,61 @@ def test_every_workload_is_spot_checked_and_not_every_round(frozen_run, monkeypa
     assert sum(map(len, per_trial)) < 3 * 3 * n  # not every round of every workload
 
 
+@pytest.mark.parametrize("dropped", [False, True])
+def test_a_spot_checks_answer_is_the_one_the_reference_kept_from_its_timed_run(frozen_run, dropped, monkeypatch):
+    """The original is not run again for a spot check: the reference worker keeps the answer of
+    the repetition the tuner drew for the round (the candidate's worker is never told which), and
+    the check fetches it. Where it was dropped (lanes without a lock time beside each other on one
+    reference worker), the original runs again on the same draw, and the verdict is the same."""
+    from sandbox import timed
+    from sandbox.runner import Limits, TrialRunner
+    from tools.trial import Candidate, Status
+    r = TrialRunner("cpu", Limits(compile_s=60, run_s=30, time_s=60, budget_ms=20, max_reps=3, rounds=2))
+    sent: dict[str, list[dict]] = {"reference": [], "candidate": []}
+    timing = [False]  # what timing sends (verification's own answers are another matter)
+    measure = timed.measure
+
+    def timed_measure(*a, **k):
+        timing[0] = True
+        try:
+            return measure(*a, **k)
+        finally:
+            timing[0] = False
+    monkeypatch.setattr(timed, "measure", timed_measure)
+    for side, obj in (("reference", r.reference), ("candidate", r.worker)):
+        original = obj.request
+
+        def spy(msg, *a, _original=original, _side=side, **k):
+            if timing[0]:
+                sent[_side].append(msg)
+            reply = _original(msg, *a, **k)
+            if dropped and _side == "reference" and msg.get("op") == "kept":
+                reply.tensors = {"outputs": [None]}
+            return reply
+        obj.request = spy
+    # right through its import and verification (under 20 calls), wrong in every timed call after
+    bad = ("_calls = [0]\ndef forward(module, x):\n    _calls[0] += 1\n"
+           "    y = type(module).forward(module, x)\n    return y if _calls[0] <= 20 else y + 1.0\n")
+    try:
+        r.add_problem(frozen_run / "LlamaRMSNorm")
+        own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+        verdicts = []
+        for source in (own, bad):
+            verdicts.append(r.run(Candidate(region="LlamaRMSNorm", source=source, planner="manual")))
+    finally:
+        r.close()
+    assert verdicts[0].status is Status.ok, verdicts[0].reason
+    assert verdicts[1].status is Status.wrong and "timed repetition" in verdicts[1].reason, verdicts[1].reason
+    ref_ops = [m.get("op") for m in sent["reference"]]
+    kept = [m for m in sent["reference"] if m.get("op") == "kept"]
+    assert kept and all(isinstance(m.get("seed"), int) for m in kept)
+    assert ref_ops.count("refs") == (len(kept) if dropped else 0), ref_ops
+    # the reference's timed runs were told which repetition to keep; the candidate's never were
+    rounds = [m for m in sent["reference"] if m.get("op") == "batch" and "lead_cycles" in m]
+    assert rounds and all(isinstance(m.get("keep_index"), int) for m in rounds)
+    assert not any("keep_index" in m for m in sent["candidate"])
+
+
 def test_the_checksum_from_one_period_equals_the_sum_over_the_whole_key(monkeypatch):
     """What a timed run commits to is computed a block of key periods at a time (no float32 copy
     of all the outputs, no key as long as them): the same number as the whole key's sum, for
