@@ -24,10 +24,15 @@ the runner records per trial (`Trial.phases`):
     verify_outputs  copying, hashing and sending those outputs
     judge           the tuner's comparison with the references
     time            timing, all of it; of which:
-      time.draw     drawing fresh inputs per repetition (the reference worker's timed runs,
-                    host seconds: on CUDA what launching the draws cost the host)
-      time.copy     copying and checksumming each repetition's outputs (same)
+      time.warmup   each workload's first runs of both sides (they size the repetitions)
+      time.runs     the timed runs of the original and the candidate, side by side (a run the
+                    tuner's clock refutes is repeated in here); of which, host seconds of the
+                    reference worker's (on CUDA what launching them cost the host):
+        time.draw   drawing fresh inputs per repetition
+        time.copy   copying and checksumming each repetition's outputs
       time.spot     the spot check: fetching a repetition's kept output and the original's answer
+      time.integrity  asking the candidate's worker whether torch or the harness was patched
+      time.control  the A/A run: the original in the candidate's worker
     spot_judge      the spot checks' comparisons (the tuner's CPU, after the device lock is let go)
     other           what no phase names (the torch.compile probe, integrity checks, replies)
 
@@ -50,8 +55,8 @@ sys.path.insert(0, str(ROOT))
 
 OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
 PHASES = ["start", "start.register", "start.register.files", "start.register.import", "start.register.build", "load",
-          "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.draw",
-          "time.copy", "time.spot", "spot_judge"]
+          "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.warmup", "time.runs", "time.draw",
+          "time.copy", "time.spot", "time.integrity", "time.control", "spot_judge"]
 
 
 def freeze(model: Path, device: str, regions: list[str] | None, runs_dir: Path) -> Path:

@@ -120,6 +120,16 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
     return out
 
 
+@contextlib.contextmanager
+def _phase(r: "TrialRunner", name: str):
+    """The block's seconds added to the trial's phase `name` (bench/trial_cost.py prints them)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        r.phases[name] = r.phases.get(name, 0.0) + time.monotonic() - t0
+
+
 def _batch(worker: Any, req: dict, timeout: float, frozen: Any = None) -> tuple["Reply", float]:
     """One timed run in `worker`; `frozen`: the candidate's worker, stopped meanwhile (the
     original's runs: nothing the candidate left running competes with them)."""
@@ -172,9 +182,10 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     ref, cand = r.reference, r.worker
     n = _elements(lp, i)
     s = seed()
-    wb, wall_wb = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s,
-                         cand)
-    wc, wall_wc = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
+    with _phase(r, "time.warmup"):
+        wb, wall_wb = _batch(ref, {"problem": p.name, "set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n},
+                             lim.time_s, cand)
+        wc, wall_wc = _batch(cand, {"set": i, "seed": s, "reps": WARMUP_REPS, "key_len": n}, lim.time_s)
     # One repetition of both sides costs the tuner's clock its calls plus the harness around them
     # (fresh inputs, copies, checksums): with small calls the harness is most of it, and a budget
     # sized by the calls alone would cost many times itself.
@@ -207,20 +218,22 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
             _note_harness(r, rb)
             # less the reference worker's (trusted) copy of the set to the device, were it evicted
             return rb, wall_b - _upload_ms(rb)
-        samples, per_call, lead, rb = _candidate_run(r, lp, req, original, lead, cycles)
+        with _phase(r, "time.runs"):
+            samples, per_call, lead, rb = _candidate_run(r, lp, req, original, lead, cycles)
         base_runs.append(_samples(rb))
         cand_runs.append(samples)
         parent.append(per_call)
         if spot.random() < SPOT_CHANCE or (k == rounds - 1 and not spotted):
-            t_spot = time.monotonic()
-            checks.append(_spot_check(r, lp, i, s, j))
-            r.phases["time.spot"] = r.phases.get("time.spot", 0.0) + time.monotonic() - t_spot
+            with _phase(r, "time.spot"):
+                checks.append(_spot_check(r, lp, i, s, j))
             spotted = True
-        _tamper(r)
+        with _phase(r, "time.integrity"):
+            _tamper(r)
         if k == 0 or p.is_whole_model:
             # A/A across the two processes: the original in the candidate's worker. A whole model
             # gets one every round: its host-bound workloads move most from process to process.
-            ctl, _ = _batch(cand, {**req, "control": True}, lim.time_s)
+            with _phase(r, "time.control"):
+                ctl, _ = _batch(cand, {**req, "control": True}, lim.time_s)
             aa.append(timing.stats(_samples(ctl)).median_ms / max(timing.stats(base_runs[-1]).median_ms, 1e-9))
     base = timing.stats([x for run in base_runs for x in run])
     cnd = timing.stats([x for run in cand_runs for x in run])

@@ -93,7 +93,8 @@ def test_the_bench_prints_each_phase_and_trials_per_device_hour(tmp_path):
                          timeout=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     table = out.stdout[out.stdout.index("trial cost:"):]
-    for row in ("start (once)", "load", "refs", "verify", "judge", "time", "time.draw", "time.spot",
+    for row in ("start (once)", "load", "refs", "verify", "judge", "time", "time.warmup", "time.runs", "time.draw",
+                "time.spot", "time.integrity", "time.control",
                 "device s / trial", "trials / device-hour (CPU)"):
         assert f"\n{row} " in table, (row, table)
     assert "status" in table and " ok" in table.splitlines()[-1]
