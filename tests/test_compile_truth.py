@@ -152,3 +152,28 @@ def test_only_candidates_that_compile_are_probed_in_a_worker_where_dynamo_is_loa
     assert first.dynamo["graphs"] >= 1 and not first.compile_fallback
     assert second.dynamo is None and not any("torch.compile" in f for f in second.flags), second.flags
     assert third.compile_fallback.startswith("fell back to eager"), third.dynamo
+
+
+LATER_COMPILE = '''import time
+import torch
+_calls = {}
+
+
+def forward(module, *args):
+    """Eager on its first call, compiled from the second on (as a routed model compiled after one
+    eager call is, and as reduce-overhead records its CUDA graphs); the compile's cost is the sleep."""
+    n = _calls[id(module)] = _calls.get(id(module), 0) + 1
+    if n == 1:
+        return type(module).forward(module, *args)
+    if n == 2:
+        time.sleep(2.0)
+        _calls["compiled"] = torch.compile(type(module).forward, backend="eager")
+    return _calls["compiled"](module, *args)
+'''
+
+
+def test_a_compile_on_the_second_call_is_paid_in_load_not_under_the_device_lock(run):
+    trial = _try(run, LATER_COMPILE, do_time=False)
+    assert trial.status.value == "ok", trial.reason
+    assert trial.phases["load"] >= 2.0, trial.phases
+    assert trial.phases["verify"] < 1.5, trial.phases  # verification and timing hold the device lock
