@@ -26,7 +26,7 @@ class Registered:
     problem: Problem
     folder: Path
     effects: dict = field(default_factory=dict)
-    """`mutates_inputs`, `aliases` (see Worker._original_effects) and `post_inputs`."""
+    """`mutates_inputs`, `aliases` (see sandbox/reference_runs.py) and `post_inputs`."""
     drift: str = ""
     """Why the rebuilt original does not reproduce the frozen outputs ('' when it does)."""
 

@@ -132,7 +132,8 @@ class Worker:
         header: dict[str, Any] = {"ok": True, "parts": parts}
         payload = None
         if self.role == "reference":
-            header["effects"], payload = self._original_effects(self.problems[req["name"]])
+            from sandbox import reference_runs
+            header["effects"], payload = reference_runs.original_effects(self, self.problems[req["name"]])
         self.classes = sorted({type(m) for p in self.problems.values() for m in p["region"].modules()},
                               key=lambda c: f"{c.__module__}.{c.__qualname__}")
         self.snapshot = integrity.snapshot(self.classes, list(COMPUTE_OPS))
@@ -192,57 +193,10 @@ class Worker:
 
     # -- reference role ------------------------------------------------------------------
     def op_refs(self, req: dict, _: Any) -> tuple[dict, Any]:
-        """The original's outputs on fresh inputs ({set, seed}) and, with `perturb`, on a frozen
-        set with the region's parameters moved by `perturbed(seed)`."""
         if self.role != "reference":
             return {"ok": False, "error": "refs are computed by the reference worker only"}, None
-        from tools.region import flatten
-        p = self.problems[req["problem"]]
-        region, fwd = p["region"], p["forward"]
-        out = {"fresh": [], "perturbed": None}
-        with self.torch.no_grad():
-            for item in req.get("fresh", []):
-                args, kwargs = T.vary_set(*self._device_set(p, item["set"]), int(item["seed"]))
-                out["fresh"].append([None if t is None else T.plain_tensor(t) for t in flatten(fwd(region, *args, **kwargs))[0]])
-            if req.get("perturb"):
-                spec = req["perturb"]
-                moved = T.perturbed(region, int(spec["seed"]))
-                args, kwargs = self._device_set(p, spec["set"])
-                out["perturbed"] = [None if t is None else T.plain_tensor(t)
-                                    for t in flatten(fwd(moved, *args, **kwargs))[0]]
-                del moved
-        self._sync()
-        return {}, out
-
-    def _original_effects(self, p: dict) -> tuple[dict, Any]:
-        """What the original does besides returning: which input sets it changes in place (those
-        post-call inputs come back, to be compared like outputs) and which outputs share memory
-        with its inputs or parameters (a candidate may do the same there, nowhere else)."""
-        from tools.problem import tensor_hash
-        from tools.region import flatten
-        region, fwd = p["region"], p["forward"]
-        mutated, post, aliases, outputs = [], [], [], []
-        param_spans = T.spans_of(list(T.tensors_map(region).values()))
-        earlier: list = []  # the last call's outputs, alive: does the original hand out one buffer twice?
-        with self.torch.no_grad():
-            for i in range(len(p["inputs"])):
-                args, kwargs = self._device_set(p, i)
-                before = tensor_hash(T.host({"args": args, "kwargs": kwargs}))
-                in_spans = T.spans_of([args, kwargs])
-                leaves, _ = flatten(fwd(region, *args, **kwargs))
-                self._sync()
-                old = T.spans_of(earlier)
-                aliases.append([{"input": isinstance(t, self.torch.Tensor) and T.shares_memory(t, in_spans),
-                                 "param": isinstance(t, self.torch.Tensor) and T.shares_memory(t, param_spans),
-                                 "earlier": isinstance(t, self.torch.Tensor) and T.shares_memory(t, old)}
-                                for t in leaves])
-                earlier = [t for t in leaves if isinstance(t, self.torch.Tensor)]
-                outputs.append([None if t is None else T.plain_tensor(t) for t in leaves])
-                seen = T.host({"args": args, "kwargs": kwargs})
-                changed = tensor_hash(seen) != before
-                mutated.append(changed)
-                post.append(seen if changed else None)
-        return {"mutates_inputs": mutated, "aliases": aliases}, {"outputs": outputs, "post_inputs": post}
+        from sandbox import reference_runs
+        return reference_runs.refs(self, req)
 
     # -- candidate role ------------------------------------------------------------------
     def op_load(self, req: dict, _: Any) -> tuple[dict, Any]:
