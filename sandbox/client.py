@@ -73,6 +73,8 @@ class Worker:
         self.marker = ""
         self._stopped_total = 0.0
         self._stopped_since: float | None = None
+        self._ns_init: tuple[subprocess.Popen, int, str] | None = None
+        """(the process it was found for, the jail's first process, its pid namespace)."""
 
     @property
     def alive(self) -> bool:
@@ -151,7 +153,18 @@ class Worker:
         if self.proc is None:
             return set()
         if self.isolation.get("kind") == "bubblewrap":
-            ns = _pid_namespace(self.proc.pid)
+            # Every process of a pid namespace descends from its first one (orphans are handed to
+            # it), so its tree is the worker: a few files read, where a scan of /proc read two per
+            # process on the machine, for every sibling stopped around every timed run.
+            if self._ns_init is None or self._ns_init[0] is not self.proc:
+                first, ns = _pid_namespace(self.proc.pid)
+                if not first:
+                    return set()  # bubblewrap has not made it yet
+                self._ns_init = (self.proc, first, ns)
+            _, first, ns = self._ns_init
+            tree = _tree(first) if first and _readlink(f"/proc/{first}/ns/pid") == ns else None
+            if tree is not None:
+                return tree
             return {pid for pid in _pids() if ns and _readlink(f"/proc/{pid}/ns/pid") == ns}
         mark = f"NIGHTSHIFT_WORKER={self.marker}".encode()
         out = set()
@@ -272,10 +285,10 @@ def _readlink(path: str) -> str:
         return ""
 
 
-def _pid_namespace(outer: int) -> str:
-    """The pid namespace bubblewrap made: the one its first child lives in."""
+def _pid_namespace(outer: int) -> tuple[int, str]:
+    """The first process of the pid namespace bubblewrap made, and that namespace (0, "" if none yet)."""
     own = _readlink(f"/proc/{outer}/ns/pid")
-    for pid in _pids():
+    for pid in _children(outer) or _pids():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
@@ -283,8 +296,44 @@ def _pid_namespace(outer: int) -> str:
         if fields and int(fields[1]) == outer:
             ns = _readlink(f"/proc/{pid}/ns/pid")
             if ns and ns != own:
-                return ns
-    return ""
+                return pid, ns
+    return 0, ""
+
+
+def _children(pid: int) -> list[int] | None:
+    """The children of every thread of `pid` (None where the kernel has no such lists)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for tid in tids:
+        try:
+            kids += [int(k) for k in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+        except FileNotFoundError:
+            if not os.path.isdir(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended meanwhile
+            return None  # CONFIG_PROC_CHILDREN is off
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def _tree(root: int) -> set[int] | None:
+    """`root` and every process descending from it (None where the kernel has no children lists)."""
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        kids = _children(pid)
+        if kids is None:
+            return None
+        if os.path.isdir(f"/proc/{pid}"):
+            seen.add(pid)
+        todo += kids
+    return seen
 
 
 def _exit_text(code: int | None) -> str:

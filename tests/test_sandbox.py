@@ -275,6 +275,52 @@ def _hold(worker, seconds: float) -> None:
         time.sleep(seconds)
 
 
+ORPHANS = """import os, time
+
+
+def _spawn():
+    if os.fork() == 0:  # a child that leaves its session and a grandchild behind, then exits
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(60)
+        os._exit(0)
+
+
+_spawn()
+time.sleep(0.3)
+
+
+def forward(module, x):
+    return type(module).forward(module, x)
+"""
+
+
+@JAILED
+@pytest.mark.parametrize("lists", [True, False], ids=["children lists", "no children lists"])
+def test_a_workers_processes_are_its_jails_tree_orphans_included(runner, monkeypatch, lists):
+    """What is stopped around a timing and what ends with a trial: every process of the worker's
+    jail, an orphaned grandchild in a session of its own included. Read from the jail's process
+    tree (a few files), the same set as a scan of every process's pid namespace; on a kernel
+    without /proc's children lists, that scan."""
+    from sandbox import client
+    seen = []
+    members = client.Worker.members
+
+    def spy(self):
+        got = members(self)
+        ns = self._ns_init[2] if self._ns_init else ""
+        seen.append((got, {p for p in client._pids() if ns and client._readlink(f"/proc/{p}/ns/pid") == ns}))
+        return got
+    monkeypatch.setattr(client.Worker, "members", spy)
+    if not lists:
+        monkeypatch.setattr(client, "_children", lambda pid: None)
+    trial = runner.run(Candidate(region="LlamaRMSNorm", source=ORPHANS), do_time=False)
+    assert trial.status is Status.ok, trial.reason
+    assert "the candidate left processes running: its worker was replaced" in trial.flags
+    before, after = seen[0][0], seen[-1][0]  # the worker as loaded, then as the trial left it
+    assert after == seen[-1][1] and len(after - before) >= 1, seen
+
+
 def test_worker_environment_is_scrubbed():
     from sandbox.isolation import worker_env
     env = worker_env({"PATH": "/bin", "OPENAI_API_KEY": "x", "TRITON_CACHE_DIR": "/c", "AWS_SECRET_ACCESS_KEY": "y",
