@@ -56,6 +56,10 @@ CLAIM_ABS_MS = {"cuda": 1.0, "cpu": 50.0}
 run in processes that compete for the same cores with the tuner and each other, so there the
 check refutes only gross claims; the integrity check is the CPU's first line."""
 MAX_LEAD_MS = 2000.0
+CLEARLY_SLOWER = 0.5
+"""A region's workload whose first two rounds each read this speedup or less is timed in those
+two (the fewest an A/A band is made of): more rounds would only narrow a band around a loss, and
+a night's search tries many such candidates. The whole model is always timed in full."""
 SPOT_CHANCE = 0.5
 """Each round of a workload is spot-checked with this chance, drawn after the round ran, and the
 last round whenever no earlier one was: a candidate can never tell whether the round it is in
@@ -86,6 +90,9 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
             return r._suspicious(c, lp, e.reason, **numbers)
         return Trial(**r._base(c, lp), status=Status(e.kind), reason=e.reason, **numbers)
     band = weighted_band(lp.problem, timings)
+    if short := [t.workload for t in timings if len(t.baseline_runs) < max(2, r.limits.rounds)]:
+        flags.append(f"timed in two rounds on {', '.join(short)}: each read {CLEARLY_SLOWER:g}x of the original's "
+                     "speed or less there")
     if (covered := r.phases.pop("host_bound", None)) is not None:
         flags.append(f"events unconfirmed: its CUDA events covered {covered:.0%} of what the tuner's clock saw "
                      "(host work in its calls, work off the timed stream, or the harness's jitter around "
@@ -223,7 +230,8 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         base_runs.append(_samples(rb))
         cand_runs.append(samples)
         parent.append(per_call)
-        if spot.random() < SPOT_CHANCE or (k == rounds - 1 and not spotted):
+        last = k == rounds - 1 or (k == 1 and not p.is_whole_model and _clearly_slower(base_runs, cand_runs))
+        if spot.random() < SPOT_CHANCE or (last and not spotted):
             with _phase(r, "time.spot"):
                 checks.append(_spot_check(r, lp, i, s, j))
             spotted = True
@@ -235,6 +243,8 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
             with _phase(r, "time.control"):
                 ctl, _ = _batch(cand, {**req, "control": True}, lim.time_s)
             aa.append(timing.stats(_samples(ctl)).median_ms / max(timing.stats(base_runs[-1]).median_ms, 1e-9))
+        if last:
+            break
     base = timing.stats([x for run in base_runs for x in run])
     cnd = timing.stats([x for run in cand_runs for x in run])
     medians = [timing.stats(run).median_ms for run in base_runs]
@@ -246,6 +256,11 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
                           speedup=base.median_ms / max(cnd.median_ms, 1e-9), timing_kind=kind,
                           noise_band=band, parent_ms=statistics.median(parent),
                           baseline_runs=medians, candidate_runs=cand_medians, controls=aa)
+
+
+def _clearly_slower(base_runs: list[list[float]], cand_runs: list[list[float]]) -> bool:
+    """Every round so far read a speedup of CLEARLY_SLOWER or less."""
+    return all(statistics.median(b) <= CLEARLY_SLOWER * statistics.median(c) for b, c in zip(base_runs, cand_runs))
 
 
 def ab_band(base_medians: list[float], cand_medians: list[float], controls: list[float], kind: str) -> float:

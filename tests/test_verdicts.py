@@ -159,6 +159,27 @@ def test_an_unchanged_region_reads_no_change_and_is_never_a_win(tmp_path):
     assert not trial.win
 
 
+def test_a_clearly_slower_candidate_is_timed_in_two_rounds_and_still_spot_checked(tmp_path):
+    """Five times the original's work: its first two rounds read about 0.25x, so a third would only
+    narrow the band around a loss; the trial says so, and its rounds were spot-checked."""
+    (tmp_path / "wide_norm.py").write_text(WIDE_NORM)
+    loaded = load_model(tmp_path / "wide_norm.py", "cpu")
+    problems, _ = freeze(loaded, [RegionChoice("LayerNorm")], tmp_path / "run" / "problems", torch.device("cpu"))
+    slow = ("def forward(module, *args, **kwargs):\n    for _ in range(5):\n"
+            "        out = type(module).forward(module, *args, **kwargs)\n    return out\n")
+    runner = TrialRunner("cpu", Limits(budget_ms=100, max_reps=40, rounds=3))
+    try:
+        runner.add_problem(tmp_path / "run" / "problems" / problems[0].name)
+        trial = runner.run(Candidate(region=problems[0].name, source=slow))
+    finally:
+        runner.close()
+    assert trial.status is Status.ok, trial.reason
+    assert [len(t.baseline_runs) for t in trial.timings] == [2] * len(trial.timings)
+    assert trial.speedup < 0.5 and not trial.win
+    assert any(f.startswith("timed in two rounds on ") for f in trial.flags), trial.flags
+    assert "spot_judge" in trial.phases  # every workload's rounds were checked
+
+
 def test_tune_with_cheats_among_good_candidates_keeps_only_the_good_ones(tmp_path):
     """`agent tune --planner files`, an inbox of one honest candidate and cheats of every kind
     the verdict defends against: the run completes, only the honest one is kept, and the report
