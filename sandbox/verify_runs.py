@@ -86,19 +86,19 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
             args, kwargs = w._device_set(p, i)
             call(f"a {i}", module, args, kwargs, float("nan"), sizes[i])
             # Compared where the inputs live: host copies of a KV cache cost seconds a call.
-            if _changed({"args": args, "kwargs": kwargs}, p["inputs"][i]):
+            if T.changed_from({"args": args, "kwargs": kwargs}, p["inputs"][i]):
                 mutated["frozen"].append(i)
             post_inputs.append(T.host({"args": args, "kwargs": kwargs}) if req.get("effects", [False] * n)[i] else None)
             args, kwargs = w._device_set(p, i)
             call(f"b {i}", module, args, kwargs, T.SENTINEL, sizes[i])
-            if _changed({"args": args, "kwargs": kwargs}, p["inputs"][i]) and i not in mutated["frozen"]:
+            if T.changed_from({"args": args, "kwargs": kwargs}, p["inputs"][i]) and i not in mutated["frozen"]:
                 mutated["frozen"].append(i)
         for item in req.get("fresh", []):
             base = w._device_set(p, item["set"])
             args, kwargs = T.vary_set(*base, int(item["seed"]))
             call(f"fresh {item['set']}", module, args, kwargs, None, [])
             again = T.vary_set(*base, int(item["seed"]))
-            if _changed([args, kwargs], [again[0], again[1]]):
+            if T.changed_from([args, kwargs], [again[0], again[1]]):
                 mutated["fresh"].append(item["set"])
         moved = None
         if req.get("perturb"):
@@ -159,19 +159,6 @@ def outputs(w: Any) -> tuple[dict, Any]:
     # Code that writes late may still run here: the tuner replaces this worker (sandbox/client.py).
     retire = {"replace_worker": True} if header["late_writes"] else {}
     return {**header, "b_same": same, **retire}, {**runs, "post_inputs": post_inputs}
-
-
-def _changed(now: Any, before: Any) -> bool:
-    import torch
-    if isinstance(now, torch.Tensor):
-        return not (isinstance(before, torch.Tensor) and now.shape == before.shape and now.dtype == before.dtype
-                    and T.same_bits(now, before.to(now.device)))
-    if isinstance(now, dict):
-        return not isinstance(before, dict) or now.keys() != before.keys() or any(_changed(now[k], before[k]) for k in now)
-    if isinstance(now, (list, tuple)):
-        return not isinstance(before, (list, tuple)) or len(now) != len(before) or any(
-            _changed(a, b) for a, b in zip(now, before))
-    return False
 
 
 def _module_changes(torch, pristine: Any, used: Any) -> list[str]:

@@ -113,6 +113,22 @@ def snap(t: Any) -> Any:
     return torch.ops.aten.clone.default(t.detach(), memory_format=torch.contiguous_format)
 
 
+def changed_from(now: Any, before: Any) -> bool:
+    """Whether the tensors of `now` (on the device) differ from `before` (the same structure, on the
+    host or the device), compared where `now` lives: a host copy of a KV cache costs seconds."""
+    import torch
+    if isinstance(now, torch.Tensor):
+        return not (isinstance(before, torch.Tensor) and now.shape == before.shape and now.dtype == before.dtype
+                    and same_bits(now, before.to(now.device)))
+    if isinstance(now, dict):
+        return not isinstance(before, dict) or now.keys() != before.keys() or any(
+            changed_from(now[k], before[k]) for k in now)
+    if isinstance(now, (list, tuple)):
+        return not isinstance(before, (list, tuple)) or len(now) != len(before) or any(
+            changed_from(a, b) for a, b in zip(now, before))
+    return False
+
+
 def same_bits(a: Any, b: Any) -> bool:
     import torch
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:

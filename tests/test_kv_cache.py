@@ -154,6 +154,10 @@ def test_cache_as_declared_inplace_output(cache_runner, attention_problem, sourc
     trial = cache_runner.run(Candidate(region=p.name, source=source), do_time=False)
     assert trial.status is status, (trial.status, trial.reason, trial.error_text[-600:])
     assert why in trial.reason
+    # The reference worker found which workloads' caches the original writes, and their contents after
+    effects = cache_runner.reference.problems[p.name].effects
+    decode = [w.name for w in p.workloads].index("decode")
+    assert effects["mutates_inputs"][decode] and effects["post_inputs"][decode] is not None
 
 
 def test_decode_template_passes_the_verifier_and_a_wrong_guess_does_not(cache_runner, attention_problem):
