@@ -101,7 +101,6 @@ class Worker:
     # -- both roles ----------------------------------------------------------------------
     def op_problem(self, req: dict, _: Any) -> tuple[dict, Any]:
         """Register a problem: the region rebuilt from the model file and the frozen state."""
-        torch = self.torch
         from tools.modelfile import import_model_file
         from tools.region import build_region, seeded
         if self.candidates_run:
@@ -110,10 +109,7 @@ class Worker:
         if len(fds) != 3:
             return {"ok": False, "error": "expected the inputs, state and model files"}, None
         t0 = time.perf_counter()
-        with os.fdopen(fds[0], "rb") as f:
-            inputs = torch.load(f, weights_only=True, map_location="cpu")
-        with os.fdopen(fds[1], "rb") as f:
-            state = torch.load(f, weights_only=True, map_location="cpu")
+        inputs, state = load_fd(fds[0]), load_fd(fds[1])
         with os.fdopen(fds[2], "rb") as f:
             model_source = f.read()
         os.environ.update(isolation.model_settings(req.get("env") or {}))
@@ -390,6 +386,21 @@ class Worker:
             except (TypeError, ValueError) as e:  # an answer that cannot be encoded is a failure
                 protocol.send(self.sock, {"ok": False, "status": "crash", "error": f"unsendable reply: {e}",
                                           "nonce": nonce})
+
+
+def load_fd(fd: int) -> Any:
+    """torch.load of a file the tuner opened for this worker (its path may be hidden here),
+    memory-mapped through /proc/self/fd: pages are read as a tensor is touched and shared with
+    every other worker holding the same problems (a KV cache is half a gigabyte a workload).
+    Where the file cannot be reopened that way (a user that may not open it), read whole."""
+    import torch
+    try:
+        got = torch.load(f"/proc/self/fd/{fd}", weights_only=True, map_location="cpu", mmap=True)
+    except (OSError, RuntimeError, ValueError):
+        with os.fdopen(fd, "rb") as f:
+            return torch.load(f, weights_only=True, map_location="cpu")
+    os.close(fd)
+    return got
 
 
 def _serve_siblings(model_file: str) -> None:

@@ -321,6 +321,25 @@ def test_a_workers_processes_are_its_jails_tree_orphans_included(runner, monkeyp
     assert after == seen[-1][1] and len(after - before) >= 1, seen
 
 
+def test_a_workers_problem_files_are_memory_mapped_and_read_whole_where_they_cannot_be(runner, monkeypatch, tmp_path):
+    """Every worker holds every problem's inputs and state: mapped from the files the tuner opened
+    (pages shared between the workers, read as touched), not read into each worker's memory."""
+    own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+    assert runner.run(Candidate(region="LlamaRMSNorm", source=own), do_time=False).status is Status.ok
+    mapped = {line.rsplit("/", 1)[-1] for pid in runner.worker.members()
+              for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if line.endswith(".pt")}
+    assert {"inputs.pt", "state.pt"} <= mapped, mapped
+    # Where /proc/self/fd cannot be reopened, the file is read from the descriptor as before.
+    import torch as t
+    from sandbox import worker
+    t.save({"x": t.arange(4)}, tmp_path / "inputs.pt")
+    real = t.load
+    monkeypatch.setattr(t, "load", lambda f, *a, mmap=False, **k: (_ for _ in ()).throw(OSError("no")) if mmap
+                        else real(f, *a, **k))
+    fd = os.open(tmp_path / "inputs.pt", os.O_RDONLY)
+    assert worker.load_fd(fd)["x"].tolist() == [0, 1, 2, 3]
+
+
 def test_worker_environment_is_scrubbed():
     from sandbox.isolation import worker_env
     env = worker_env({"PATH": "/bin", "OPENAI_API_KEY": "x", "TRITON_CACHE_DIR": "/c", "AWS_SECRET_ACCESS_KEY": "y",
