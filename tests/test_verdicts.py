@@ -137,21 +137,26 @@ def get_inputs():
 """
 
 
+def _wide_norm_trial(tmp_path: Path, source: str, rounds: int):
+    """One timed trial of `source` on WIDE_NORM's LayerNorm (about a millisecond a call)."""
+    (tmp_path / "wide_norm.py").write_text(WIDE_NORM)
+    loaded = load_model(tmp_path / "wide_norm.py", "cpu")
+    problems, _ = freeze(loaded, [RegionChoice("LayerNorm")], tmp_path / "run" / "problems", torch.device("cpu"))
+    runner = TrialRunner("cpu", Limits(budget_ms=100, max_reps=40, rounds=rounds))
+    try:
+        runner.add_problem(tmp_path / "run" / "problems" / problems[0].name)
+        return runner.run(Candidate(region=problems[0].name, source=source))
+    finally:
+        runner.close()
+
+
 @pytest.mark.alone
 def test_an_unchanged_region_reads_no_change_and_is_never_a_win(tmp_path):
     """A region big enough (about a millisecond on one CPU thread) that calling its forward through
     a candidate costs nothing measurable: timed against itself, inside its A/A band."""
-    (tmp_path / "wide_norm.py").write_text(WIDE_NORM)
-    loaded = load_model(tmp_path / "wide_norm.py", "cpu")
-    problems, _ = freeze(loaded, [RegionChoice("LayerNorm")], tmp_path / "run" / "problems", torch.device("cpu"))
     # Five rounds: this 2-core VM's CPU has bursts of stolen time tens of milliseconds long, and
     # with three rounds one burst in a single round read 0.63x against a ±56% band (CI, once).
-    runner = TrialRunner("cpu", Limits(budget_ms=100, max_reps=40, rounds=5))
-    try:
-        runner.add_problem(tmp_path / "run" / "problems" / problems[0].name)
-        trial = runner.run(Candidate(region=problems[0].name, source=OWN))
-    finally:
-        runner.close()
+    trial = _wide_norm_trial(tmp_path, OWN, rounds=5)
     assert trial.status is Status.ok, trial.reason
     assert trial.noise_band is not None and trial.noise_band > 0
     assert all(t.noise_band > 0 and len(t.baseline_runs) >= 2 and t.parent_ms is not None for t in trial.timings)
@@ -162,17 +167,9 @@ def test_an_unchanged_region_reads_no_change_and_is_never_a_win(tmp_path):
 def test_a_clearly_slower_candidate_is_timed_in_two_rounds_and_still_spot_checked(tmp_path):
     """Five times the original's work: its first two rounds read about 0.25x, so a third would only
     narrow the band around a loss; the trial says so, and its rounds were spot-checked."""
-    (tmp_path / "wide_norm.py").write_text(WIDE_NORM)
-    loaded = load_model(tmp_path / "wide_norm.py", "cpu")
-    problems, _ = freeze(loaded, [RegionChoice("LayerNorm")], tmp_path / "run" / "problems", torch.device("cpu"))
     slow = ("def forward(module, *args, **kwargs):\n    for _ in range(5):\n"
             "        out = type(module).forward(module, *args, **kwargs)\n    return out\n")
-    runner = TrialRunner("cpu", Limits(budget_ms=100, max_reps=40, rounds=3))
-    try:
-        runner.add_problem(tmp_path / "run" / "problems" / problems[0].name)
-        trial = runner.run(Candidate(region=problems[0].name, source=slow))
-    finally:
-        runner.close()
+    trial = _wide_norm_trial(tmp_path, slow, rounds=3)
     assert trial.status is Status.ok, trial.reason
     assert [len(t.baseline_runs) for t in trial.timings] == [2] * len(trial.timings)
     assert trial.speedup < 0.5 and not trial.win
