@@ -298,7 +298,9 @@ class Worker:
             with open(path + ".tmp", "wb") as f:
                 f.write(source)
             os.replace(path + ".tmp", path)
-        _serve_siblings(original)
+        parent = os.path.dirname(original)  # the model file's own folder, where visible, serves its siblings
+        if os.access(parent, os.R_OK | os.X_OK) and parent not in sys.path:
+            sys.path.append(parent)
         return path
 
     def _loaded(self) -> tuple[dict, dict]:
@@ -403,13 +405,6 @@ def load_fd(fd: int) -> Any:
     return got
 
 
-def _serve_siblings(model_file: str) -> None:
-    """The model file's own folder, where visible, serves the modules it imports beside it."""
-    parent = os.path.dirname(model_file)
-    if os.access(parent, os.R_OK | os.X_OK) and parent not in sys.path:
-        sys.path.append(parent)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fd", type=int, required=True)
@@ -461,8 +456,7 @@ def main() -> None:
                 source = f.read()
         except OSError:
             continue
-        _serve_siblings(path)
-        preload_imports(source)
+        preload_imports(source, os.path.dirname(path))
     worker.serve()
     sys.stdout.flush()
     os._exit(0)

@@ -232,31 +232,65 @@ def test_library_imports_are_the_files_own_top_level_absolute_imports():
     assert library_imports("def broken(:\n") == []
 
 
-def test_a_worker_loads_the_model_files_libraries_before_its_first_problem(tmp_path, monkeypatch):
-    """A worker imports the model file's libraries (without running the file) once it has said
-    hello: the seconds transformers takes are spent before the first problem arrives, while the
-    model is still being frozen for a worker started ahead. The registration's import is then
-    quick."""
+def _register_parts(tmp_path, monkeypatch, files: dict[str, str], env: dict[str, str]) -> tuple[dict, object]:
+    """Freeze `model.py` (with its sibling `files`) under `env`, then start a worker for its Linear
+    problem: the registration's parts, and a trial of the region's own forward."""
     from agent.jobs import profile_and_freeze
     from sandbox.runner import TrialRunner
+    from tools.trial import Candidate
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "slowlib.py").write_text("import time\ntime.sleep(2.0)\nSCALE = 2.0\n")
-    model = folder / "scaled.py"
-    model.write_text("import torch\nfrom slowlib import SCALE\n\n\n"
-                     "class Model(torch.nn.Module):\n"
-                     "    def __init__(self):\n        super().__init__()\n        self.lin = torch.nn.Linear(8, 8)\n\n"
-                     "    def forward(self, x):\n        return self.lin(x) * SCALE\n\n\n"
-                     "def get_init_inputs():\n    return []\n\n\n"
-                     "def get_inputs():\n    return [torch.randn(4, 8)]\n")
+    for name, text in files.items():
+        (folder / name).write_text(text)
     monkeypatch.syspath_prepend(str(folder))  # the tuner's own import of it; a worker's sees the folder
-    run = profile_and_freeze(model, "cpu", None, tmp_path / "runs", regions=["Linear"]).run
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run = profile_and_freeze(folder / "model.py", "cpu", None, tmp_path / "runs", regions=["Linear"]).run
+    for k in env:
+        monkeypatch.delenv(k)
     runner = TrialRunner("cpu")
     try:
         runner.add_problem(run.problems_dir / "Linear")
         assert runner._ensure_worker() is None  # started, then the problem registered
         parts = {k: v for k, v in runner.phases.items() if k.startswith("start.register.")}
+        own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+        return parts, runner.run(Candidate(region="Linear", source=own, planner="manual"), do_time=False)
     finally:
         runner.close()
+
+
+MODEL_OF = ("import torch\n{imports}\n\n\n"
+            "class Model(torch.nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n        self.lin = Linear(8, 8)\n\n"
+            "    def forward(self, x):\n        return self.lin(x)\n\n\n"
+            "class Linear(torch.nn.Linear):\n"
+            "    def forward(self, x):\n        return super().forward(x) * {scale}\n\n\n"
+            "def get_init_inputs():\n    return []\n\n\n"
+            "def get_inputs():\n    return [torch.randn(4, 8)]\n")
+
+
+def test_a_worker_loads_the_model_files_libraries_before_its_first_problem(tmp_path, monkeypatch):
+    """A worker imports the model file's libraries (without running the file) once it has said
+    hello: the seconds transformers takes are spent before the first problem arrives, while the
+    model is still being frozen for a worker started ahead. The registration's import is then
+    quick."""
+    import subprocess
+    import sys
+    alone = subprocess.run([sys.executable, "-c", "import time, torch; t = time.time(); "
+                            "from transformers import LlamaConfig; print(time.time() - t)"],
+                           capture_output=True, text=True, check=True)
+    parts, trial = _register_parts(tmp_path, monkeypatch, {"model.py": MODEL_OF.format(
+        imports="from transformers import LlamaConfig", scale=1.0)}, {})
+    assert trial.status.value == "ok", trial.reason
     assert set(parts) == {"start.register.files", "start.register.import", "start.register.build"}
-    assert parts["start.register.import"] < 1.0, parts  # slowlib's 2 s were spent before it
+    assert parts["start.register.import"] < 0.5 * float(alone.stdout), (parts, alone.stdout)
+
+
+def test_the_model_files_own_modules_are_not_imported_before_its_settings_arrive(tmp_path, monkeypatch):
+    """A module beside the model file is the user's code and may read a setting at import; the
+    worker applies the model's settings when a problem arrives, so it is not imported ahead
+    (imported early it kept the default, and the region computed something else than at freeze)."""
+    settings = "import os\nSCALE = float(os.environ.get('NS_TEST_SCALE', '1'))\n"
+    parts, trial = _register_parts(tmp_path, monkeypatch, {"settings.py": settings, "model.py": MODEL_OF.format(
+        imports="from settings import SCALE", scale="SCALE")}, {"NS_TEST_SCALE": "2"})
+    assert trial.status.value == "ok", (trial.status, trial.reason)

@@ -367,11 +367,16 @@ def library_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
     return out
 
 
-def preload_imports(source: str) -> None:
+def preload_imports(source: str, folder: str) -> None:
     """Import what `library_imports` names, names included (transformers loads a model class's
-    module only when the name is looked up: most of its import time). Failures are left for the
+    module only when the name is looked up: most of its import time), except the modules of the
+    model file's own `folder`: they are the user's code, and may read settings from the
+    environment that the worker applies only when a problem arrives. Failures are left for the
     model file's own import to report."""
     for module, names in library_imports(source):
+        top = module.split(".")[0]
+        if os.path.exists(os.path.join(folder, top + ".py")) or os.path.isdir(os.path.join(folder, top)):
+            continue
         try:
             mod = importlib.import_module(module)
             for n in names:
