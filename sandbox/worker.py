@@ -174,9 +174,9 @@ class Worker:
                 raise classify(e, "run")
         kept = got.pop("kept")
         self.kept = kept if keep is True else []
-        if isinstance(keep, set) and (answer := next((k for k in kept if k is not None), None)) is not None:
+        if isinstance(keep, set) and kept:
             self.answers.pop(seed, None)
-            self.answers[seed] = answer
+            self.answers[seed] = kept[0]
             while len(self.answers) > ANSWERS:  # rounds that were not spot-checked
                 self.answers.pop(next(iter(self.answers)))
         # No integrity check here: the tuner's clock around this request is compared with the

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tools.modelfile import ModelFileError, import_model_file, load_model
 

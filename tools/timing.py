@@ -156,7 +156,7 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
     """`reps` timed repetitions of `call(make_inputs(i))`. Returns raw per-repetition times
     (`samples`, ms), the device gaps between repetitions (`gaps`, CUDA), the host time spent
     queueing (`host_ms`) and inside the calls (`host_calls_ms`, CUDA), the copies `copy_out` made of each output (`kept`: every
-    repetition's when `keep` is True, None for those not in it when it is a set of indices), and a
+    repetition's when `keep` is True, only those whose index is in it when it is a set), and a
     checksum of each copy (`checksums`): the run's commitment to the outputs the tuner samples
     afterwards. The original's runs and the candidate's do exactly the same work around the
     calls, so the tuner can tell what the calls took from its own clock."""
@@ -180,8 +180,6 @@ def run_batch(call: Callable[[Any], Any], make_inputs: Callable[[int], Any], rep
         sums.append(checksum(copies, key))
         if keep is True or (keep and len(sums) - 1 in keep):
             kept.append((copies, meta))
-        elif keep:
-            kept.append(None)
         spent["copy"] += time.perf_counter() - s
 
     t0 = time.perf_counter()
