@@ -23,7 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from sandbox import protocol
+from sandbox import procs, protocol
 from sandbox.spawn import _SPAWNED, _SPAWNER, Reply, WorkerConfig, _adopt, _launch, drop_spares, prestart  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,8 +51,7 @@ def stop_all(from_signal: bool = False) -> int:
     for proc in _SPAWNED.copy():  # started while the signal came, not yet handed to its Worker
         if proc.poll() is None:
             killed += 1
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            procs.kill_group(proc.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
     return killed
@@ -157,18 +156,18 @@ class Worker:
             # it), so its tree is the worker: a few files read, where a scan of /proc read two per
             # process on the machine, for every sibling stopped around every timed run.
             if self._ns_init is None or self._ns_init[0] is not self.proc:
-                first, ns = _pid_namespace(self.proc.pid)
+                first, ns = procs.pid_namespace(self.proc.pid)
                 if not first:
                     return set()  # bubblewrap has not made it yet
                 self._ns_init = (self.proc, first, ns)
             _, first, ns = self._ns_init
-            tree = _tree(first) if first and _readlink(f"/proc/{first}/ns/pid") == ns else None
+            tree = procs.tree(first) if first and procs.readlink(f"/proc/{first}/ns/pid") == ns else None
             if tree is not None:
                 return tree
-            return {pid for pid in _pids() if ns and _readlink(f"/proc/{pid}/ns/pid") == ns}
+            return {pid for pid in procs.pids() if ns and procs.readlink(f"/proc/{pid}/ns/pid") == ns}
         mark = f"NIGHTSHIFT_WORKER={self.marker}".encode()
         out = set()
-        for pid in _pids():
+        for pid in procs.pids():
             try:
                 if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                     out.add(pid)
@@ -192,7 +191,7 @@ class Worker:
                 except (ProcessLookupError, PermissionError):
                     pass
             deadline = time.monotonic() + 0.5
-            while any(not _stopped(pid) for pid in stopped) and time.monotonic() < deadline:
+            while any(not procs.stopped(pid) for pid in stopped) and time.monotonic() < deadline:
                 time.sleep(0.001)
             yield
         finally:
@@ -231,10 +230,7 @@ class Worker:
         carries its marker (a candidate's setsid grandchildren)."""
         if self.proc is not None:
             stray = self.members() if self.isolation.get("kind") != "bubblewrap" else set()
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            procs.kill_group(self.proc.pid)
             for pid in stray - {os.getpid()}:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -261,79 +257,6 @@ class Worker:
             except (protocol.ChannelClosed, subprocess.TimeoutExpired):
                 pass
         self.kill()
-
-
-def _pids() -> list[int]:
-    try:
-        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return []
-
-
-def _stopped(pid: int) -> bool:
-    """Stopped, or gone (a process that exited is not running either)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def _readlink(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
-
-
-def _pid_namespace(outer: int) -> tuple[int, str]:
-    """The first process of the pid namespace bubblewrap made, and that namespace (0, "" if none yet)."""
-    own = _readlink(f"/proc/{outer}/ns/pid")
-    for pid in _children(outer) or _pids():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields and int(fields[1]) == outer:
-            ns = _readlink(f"/proc/{pid}/ns/pid")
-            if ns and ns != own:
-                return pid, ns
-    return 0, ""
-
-
-def _children(pid: int) -> list[int] | None:
-    """The children of every thread of `pid` (None where the kernel has no such lists)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    kids: list[int] = []
-    for tid in tids:
-        try:
-            kids += [int(k) for k in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
-        except FileNotFoundError:
-            if not os.path.isdir(f"/proc/{pid}/task/{tid}"):
-                continue  # the thread ended meanwhile
-            return None  # CONFIG_PROC_CHILDREN is off
-        except (OSError, ValueError):
-            continue
-    return kids
-
-
-def _tree(root: int) -> set[int] | None:
-    """`root` and every process descending from it (None where the kernel has no children lists)."""
-    seen: set[int] = set()
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        kids = _children(pid)
-        if kids is None:
-            return None
-        if os.path.isdir(f"/proc/{pid}"):
-            seen.add(pid)
-        todo += kids
-    return seen
 
 
 def _exit_text(code: int | None) -> str:

@@ -7,7 +7,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandbox import jail
+from sandbox import jail, procs
 from sandbox.isolation import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,8 +190,7 @@ def drop_spares(blocking: bool = True) -> int:
 
 
 def _end(spare: _Launched) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(spare.proc.pid, signal.SIGKILL)
+    procs.kill_group(spare.proc.pid)
     with contextlib.suppress(subprocess.TimeoutExpired):
         spare.proc.wait(timeout=10)
     spare.sock.close()

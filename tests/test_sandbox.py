@@ -302,23 +302,54 @@ def test_a_workers_processes_are_its_jails_tree_orphans_included(runner, monkeyp
     jail, an orphaned grandchild in a session of its own included. Read from the jail's process
     tree (a few files), the same set as a scan of every process's pid namespace; on a kernel
     without /proc's children lists, that scan."""
-    from sandbox import client
+    from sandbox import client, procs
     seen = []
     members = client.Worker.members
 
     def spy(self):
         got = members(self)
         ns = self._ns_init[2] if self._ns_init else ""
-        seen.append((got, {p for p in client._pids() if ns and client._readlink(f"/proc/{p}/ns/pid") == ns}))
+        seen.append((got, {p for p in procs.pids() if ns and procs.readlink(f"/proc/{p}/ns/pid") == ns}))
         return got
     monkeypatch.setattr(client.Worker, "members", spy)
     if not lists:
-        monkeypatch.setattr(client, "_children", lambda pid: None)
+        monkeypatch.setattr(procs, "children", lambda pid: None)
     trial = runner.run(Candidate(region="LlamaRMSNorm", source=ORPHANS), do_time=False)
     assert trial.status is Status.ok, trial.reason
     assert "the candidate left processes running: its worker was replaced" in trial.flags
     before, after = seen[0][0], seen[-1][0]  # the worker as loaded, then as the trial left it
     assert after == seen[-1][1] and len(after - before) >= 1, seen
+
+
+HOLDS_MEMORY = """
+import torch
+
+_held = torch.ones(192 * 1024 * 1024)  # 768 MB touched: its process takes a while to die
+
+
+def forward(module, x):
+    return type(module).forward(module, x)
+"""
+
+
+@JAILED
+def test_a_killed_worker_is_gone_when_kill_returns(runner):
+    """Killing a jailed worker ends its whole jail before `kill` returns: bubblewrap's own
+    parent-death signal ended it only later, and a tuner stopped by SIGTERM exited with two of a
+    worker's processes still alive."""
+    trial = runner.run(Candidate(region="LlamaRMSNorm", source=HOLDS_MEMORY), do_time=False)
+    assert trial.status is Status.ok, trial.reason
+    jail = runner.worker.members()
+    assert len(jail) >= 2, jail
+    runner.worker.kill()
+    assert [p for p in jail if not _ended(p)] == [], "a process of the killed worker's jail is still alive"
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def test_a_workers_problem_files_are_memory_mapped_and_read_whole_where_they_cannot_be(runner, monkeypatch, tmp_path):
