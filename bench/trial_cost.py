@@ -13,6 +13,12 @@ the device seconds a trial holds, and trials per device-hour at that cost. Phase
 the runner records per trial (`Trial.phases`):
 
     start           both workers started and every problem registered (once per worker); of which:
+      start.worker    the candidate worker's process to its hello (a spare started ahead: what was
+                      left of that), of which, in the worker's own account:
+        .imports      importing torch and the harness
+        .setup        dropping privileges and the network, resource limits
+        .device       initialising the device (CUDA: its context, the memory cap)
+        .triton       importing Triton
       start.register  the candidate worker's registering every problem (its inputs, the region built)
         .files        of which loading each problem's inputs and state
         .import       importing the model file (its libraries load ahead, after the worker's hello)
@@ -54,7 +60,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
-PHASES = ["start", "start.register", "start.register.files", "start.register.import", "start.register.build", "load",
+PHASES = ["start", "start.worker", "start.worker.imports", "start.worker.setup", "start.worker.device",
+          "start.worker.triton", "start.register", "start.register.files", "start.register.import", "start.register.build", "load",
           "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.warmup", "time.runs", "time.draw",
           "time.copy", "time.spot", "time.integrity", "time.control", "spot_judge"]
 

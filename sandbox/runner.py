@@ -66,6 +66,7 @@ class LoadedProblem:
 
 
 REGISTER_PARTS = ("files", "import", "build")
+HELLO_PARTS = ("imports", "setup", "device", "triton")
 """What a problem's registration in a worker spent: loading its inputs and state, importing the
 model file (once per file), building the region on the device."""
 
@@ -125,6 +126,10 @@ class TrialRunner:
         started = self.worker.start()
         if not started.ok:
             return started
+        self.phases["start.worker"] = started.seconds  # to its hello (a spare's: what was left of it)
+        for part, s in (started.header.get("parts") or {}).items():  # the worker's own account
+            if part in HELLO_PARTS and isinstance(s, (int, float)) and 0 <= s < 1e5:
+                self.phases[f"start.worker.{part}"] = s
         t_reg = time.monotonic()  # of the start: the process and its hello, then every problem's inputs and region
         for name, lp in self.problems.items():
             reply = register(self.worker, lp.problem, lp.folder, self.limits.compile_s)

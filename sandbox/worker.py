@@ -34,9 +34,12 @@ import time
 import traceback
 from typing import Any, Callable
 
-from sandbox import integrity, isolation, protocol
-from sandbox import worker_tensors as T
-from sandbox.integrity import COMPUTE_OPS
+_T_STARTED = time.perf_counter()
+from sandbox import integrity, isolation, protocol  # noqa: E402 (torch: the imports' seconds are counted)
+from sandbox import worker_tensors as T  # noqa: E402
+from sandbox.integrity import COMPUTE_OPS  # noqa: E402
+
+_T_IMPORTED = time.perf_counter()
 
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "CUDA error", "misaligned address", "CUBLAS_STATUS_EXECUTION_FAILED", "HIP error")
@@ -424,6 +427,7 @@ def main() -> None:
     sock = socket.socket(fileno=args.fd)
     import torch
     import torch.utils.deterministic  # noqa: F401
+    t_torch = time.perf_counter()
     # torch._dynamo is not imported here (seconds of every start): a candidate's torch.compile
     # imports it, and the integrity check knows the wrappers that import installs (integrity.py).
     hello = {"op": "hello", "pid": os.getpid(), "isolation": report, "device": args.device, "role": args.role,
@@ -440,11 +444,15 @@ def main() -> None:
         # waiting on a preempted thread turns a 0.04 ms call into a 7 ms one at random.
         torch.set_num_threads(1)
         hello.update(device_name="cpu", generation="cpu")
+    t_device = time.perf_counter()
     try:
         import triton
         hello["triton"] = triton.__version__
     except Exception as e:
         hello["triton"] = f"unavailable ({e})"
+    # Where a start's seconds go, in the worker's own account (the tuner adds what it saw).
+    hello["parts"] = {"imports": _T_IMPORTED - _T_STARTED, "setup": t_torch - _T_IMPORTED, "device": t_device - t_torch,
+                      "triton": time.perf_counter() - t_device}
     worker = Worker(sock, args.device, args.role)
     protocol.send(sock, {**hello, "ok": True})
     # The model file's libraries (transformers: seconds) load now, before any request: in a

@@ -93,11 +93,13 @@ def test_the_bench_prints_each_phase_and_trials_per_device_hour(tmp_path):
                          timeout=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     table = out.stdout[out.stdout.index("trial cost:"):]
-    for row in ("start (once)", "load", "refs", "verify", "judge", "time", "time.warmup", "time.runs", "time.draw",
+    for row in ("start (once)", "start.worker (once)", "start.worker.imports (once)", "start.worker.device (once)", "load", "refs", "verify", "judge", "time", "time.warmup", "time.runs", "time.draw",
                 "time.spot", "time.integrity", "time.control",
                 "device s / trial", "trials / device-hour (CPU)"):
         assert f"\n{row} " in table, (row, table)
     assert "status" in table and " ok" in table.splitlines()[-1]
+    cell = {row.split("  ")[0]: float(row.split()[-1]) for row in table.splitlines() if row.startswith("start.worker")}
+    assert 0 < cell["start.worker.imports (once)"] <= cell["start.worker (once)"], cell  # the worker's own account
 
 
 SLOW_IMPORT = """import time
