@@ -168,8 +168,10 @@ class Worker:
         self.kept = []
         with self.torch.no_grad():
             try:
+                snaps = T.Snapshots(int(req["reps"]))
                 got = run_batch(call, make, int(req["reps"]), self.device, self.clock,
-                                lead_cycles=float(req.get("lead_cycles", 0)), copy_out=self._copy_outputs,
+                                lead_cycles=float(req.get("lead_cycles", 0)),
+                                copy_out=lambda out: self._copy_outputs(out, snaps),
                                 keep=keep, seed=seed, key_len=int(req.get("key_len", 1)))
             except Failure:
                 raise
@@ -327,12 +329,12 @@ class Worker:
             self.base_sets.pop(next(iter(self.base_sets)))
         return got
 
-    def _copy_outputs(self, out: Any) -> tuple[list, dict]:
+    def _copy_outputs(self, out: Any, snaps: "T.Snapshots") -> tuple[list, dict]:
         """Stream-ordered private copies of an output, and what it looked like, right after the
         call's end event: what the tuner later checks is what the call had produced."""
         from tools.region import flatten
         leaves, structure = flatten(out)
-        copies = [T.snap(t) if T.is_plain(t) else None for t in leaves]
+        copies = snaps.take(leaves)
         return copies, {"structure": structure, "outputs": [T.describe(t) for t in leaves]}
 
     def _call(self, fn: Callable[[], Any], phase: str) -> Any:

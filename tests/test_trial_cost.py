@@ -241,3 +241,27 @@ def test_the_checksum_from_one_period_equals_the_sum_over_the_whole_key(monkeypa
         assert got == pytest.approx(want, rel=1e-5, abs=1e-5 * float(flat.sum()))
         assert float(timing.checksum(leaves, whole)) == pytest.approx(want, rel=1e-5, abs=1e-5 * float(flat.sum()))
     assert timing.checksum_period(10, 3, "cpu").numel() == 10 and timing.checksum_period(10**9, 3, "cpu").numel() == 7919
+
+
+def test_a_runs_kept_copies_are_memory_reserved_after_its_first_call():
+    """Every repetition's output copy goes into memory reserved once, right after the first call,
+    on both sides: a candidate's run keeps them all, and fresh memory for each, faulted in inside
+    the next call, read the untouched model at 0.72x of itself on the CPU."""
+    from tools.timing import run_batch
+    x = torch.randn(64, 512)
+    snaps = T.Snapshots(6)
+    reserved: list[int] = []
+
+    def copy_out(out):
+        copies = snaps.take([out])
+        if not reserved:
+            reserved.extend(s[0].data_ptr() for s in snaps.slots)
+        return copies, {}
+    got = run_batch(lambda a: a * 2, lambda i: x + i, 6, torch.device("cpu"), None, copy_out=copy_out, keep=True)
+    copies = [c[0][0] for c in got["kept"]]
+    assert [c.data_ptr() for c in copies] == reserved and len(set(reserved)) == 6
+    assert all(torch.equal(c, (x + i) * 2) for i, c in enumerate(copies))
+    # An output shaped unlike the first repetition's gets a copy of its own, still right.
+    odd = T.Snapshots(2)
+    odd.take([torch.ones(3)])
+    assert torch.equal(odd.take([torch.arange(5.0)])[0], torch.arange(5.0))
