@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent.apply import Winner, apply_run, kernels_module_text
 from agent.jobs import UserError
@@ -397,6 +398,53 @@ def test_merge_renames_scope_aware(tmp_path):
     assert obj.forward(3.0) == 6 + 1 + 30 + 3 + 2
     assert ClassA.forward.__nightshift_original__.__qualname__.endswith("ClassA.forward")
     assert text == kernels_module_text(winners, "r1", "model.py", None)[0]  # deterministic
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x, mask=None):
+        return x * self.weight + self.eps
+
+
+TUNED_NORM = textwrap.dedent('''
+    def forward(module, x, mask=None):
+        if mask is not None:
+            raise NotImplementedError("mask was None when this candidate was verified")
+        return x * module.weight + 1e-5 + 1000.0  # 1e-5 built in; +1000 shows which forward ran
+    ''')
+
+
+def test_applied_winners_run_only_where_they_were_verified(tmp_path):
+    """An instance of the class unlike the ones the winner was verified on (another eps, another
+    size; another model's module in the same process) keeps its original forward, and so does a
+    call the winner refuses (NotImplementedError for an argument's value it was not verified
+    on), with one warning; the verified instance runs the winner."""
+    from tools.fingerprint import instance_fingerprint
+    seen = _Norm(4, 1e-5)
+    winner = Winner("Norm", "_Norm", "c" * 16, TUNED_NORM, verified=[instance_fingerprint(seen)])
+    text, _, skipped = kernels_module_text([winner], "r1", "model.py", None)
+    assert not skipped
+    path = tmp_path / "merged_norm.py"
+    path.write_text(text)
+    merged = _load(path)
+    assert merged._nightshift_fingerprint(seen) == instance_fingerprint(seen)  # the one copied in is the same
+    original = _Norm.forward
+    try:
+        assert merged.install({"_Norm": _Norm}) == ["_Norm"]
+        x = torch.ones(2, 4)
+        with torch.no_grad():
+            assert float(_Norm(4, 1e-5).eval()(x)[0, 0]) > 1000  # alike: the winner
+            assert float(_Norm(4, 0.5).eval()(x)[0, 0]) == 1.5  # another eps: the original
+            assert float(_Norm(8, 1e-5).eval()(torch.ones(2, 8))[0, 0]) < 1000  # another size: the original
+            with pytest.warns(UserWarning, match="refused a call it was not verified on"):
+                out = _Norm(4, 1e-5).eval()(x, mask=torch.ones(2, 4))
+            assert float(out[0, 0]) < 1000
+    finally:
+        _Norm.forward = original
 
 
 def test_block_loads_by_path_before_a_main_guard(tmp_path):

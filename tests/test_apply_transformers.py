@@ -18,7 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from agent.apply import apply_run  # noqa: E402
 from tests.test_apply import git  # noqa: E402
-from tools.modelfile import file_sha256  # noqa: E402
+from tools.capture import instances_of  # noqa: E402
+from tools.fingerprint import instance_fingerprint  # noqa: E402
+from tools.modelfile import file_sha256, load_model  # noqa: E402
 from tools import seal  # noqa: E402
 from tools.problem import Problem, Tolerance, Workload  # noqa: E402
 from tools.runfolder import RunFolder, RunInfo  # noqa: E402
@@ -82,8 +84,11 @@ def make_run(tmp_path: Path) -> tuple[Path, Path]:
     run.path.mkdir(parents=True)
     run.write_info(RunInfo(run_id=run.run_id, model_file=str(model), model_hash=file_sha256(model), device="cpu"))
     store = run.store()
+    built = load_model(model, "cpu", check_forward=False).model
     for name, (path, source, speedup) in REGIONS.items():
-        problem = Problem(name=name, region_class=name, region_path=path, instances=[path],
+        paths = instances_of(built, name)
+        problem = Problem(name=name, region_class=name, region_path=path, instances=paths,
+                          fingerprints={q: instance_fingerprint(built.get_submodule(q)) for q in paths},
                           region_source=inspect.getsource(getattr(modeling_llama, name)), model_file=str(model),
                           model_hash=file_sha256(model), device="cpu", workloads=[Workload(name="default")],
                           tolerance=Tolerance(kind="abs", value=1e-4))

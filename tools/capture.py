@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tools.fingerprint import instance_fingerprint
 from tools.footprint import Admission, DoesNotFit
 from tools.graph import region_facts, signature_facts
 from tools.inplace import inplace_paths
@@ -232,6 +233,7 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
         name = _folder_name(choice.class_name, [p.name for p in problems], folder)
         problem = Problem(
             name=name, region_class=choice.class_name, region_path=rep, instances=paths,
+            fingerprints={path: instance_fingerprint(loaded.model.get_submodule(path)) for path in paths},
             region_source=_source(type(module)), model_file=str(loaded.path), model_hash=model_hash,
             init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
             parameters=[TensorSpec.of(n, t) for n, t in state.items()], model_bytes=model_bytes(loaded.model),

@@ -181,6 +181,9 @@ class Problem(BaseModel):
     """Module path of the representative instance whose inputs and state were captured."""
     instances: list[str] = Field(default_factory=list)
     """Every module path of this class in the model (all are routed through the winner)."""
+    fingerprints: dict[str, str] = Field(default_factory=dict)
+    """Instance path -> what a winner may specialise on in it (tools/fingerprint.py); `agent apply`
+    routes only instances whose digest was verified. Empty in runs frozen before it existed."""
     region_source: str
     """Source of the class, so planners and reviewers see what is being replaced."""
     model_file: str

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from agent.apply.routing import IMPORTS, RESERVED, ROUTING
 from agent.prompting import render_code
 from agent.apply.winners import CandidateSkipped, Winner
 from tools.e2e import IntegrationResult
+from tools.fingerprint import instance_fingerprint
 
 
 def _identifier(name: str) -> str:
@@ -216,6 +218,12 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
              'region\'s own code or to torch.compile of it): compile_model compiles the others itself."""\n')
     text += "NEEDS_GPU = {" + ", ".join(f"{p.winner.region!r}: {p.needs_gpu!r}" for p in parts) + "}\n"
     text += '"""Region -> whether its forward runs Triton kernels (which need a GPU or TRITON_INTERPRET=1)."""\n'
+    text += "VERIFIED = {" + ", ".join(f"{p.winner.region!r}: {{{', '.join(map(repr, sorted(p.winner.verified)))}}}"
+                                       for p in parts if p.winner.verified) + "}\n"
+    text += ('"""Region -> fingerprints of the instances its winner was verified on: another instance of the class '
+             '(other attributes, shapes or dtypes) keeps its original forward."""\n')
+    text += "\n\n" + inspect.getsource(instance_fingerprint).replace("def instance_fingerprint(",
+                                                                    "def _nightshift_fingerprint(", 1)
     text += "\n\n" + render_code("kernels/_opaque_op.py.j2", p="_nightshift_") + ROUTING
     tree = ast.parse(text)  # what we write must at least parse, with one definition per name
     names = [t.id for s in tree.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)]

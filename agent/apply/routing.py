@@ -14,13 +14,15 @@ that are not on a GPU, without Triton's interpreter (TRITON_INTERPRET=1). That f
 once per process.
 """
 
-RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "install", "compile_model",
+RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "VERIFIED", "install", "compile_model",
+            "_nightshift_fingerprint", "_nightshift_seen",
             "_nightshift_route",
             "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
             "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
             "_nightshift_as_op", "_nightshift_recording", "_nightshift_compile_kwargs",
             "_nightshift_os", "_nightshift_torch", "_nightshift_warnings", "_nightshift_importlib",
-            "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find"}
+            "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find",
+            "_nightshift_unverified", "_nightshift_refused"}
 """Module-level names the routing code owns; candidates' names are renamed around them."""
 
 IMPORTS = ["import importlib as _nightshift_importlib", "import itertools as _nightshift_itertools",
@@ -30,6 +32,7 @@ IMPORTS = ["import importlib as _nightshift_importlib", "import itertools as _ni
 ROUTING = '''
 
 _nightshift_warned = []
+_nightshift_refused = []  # regions whose tuned forward refused a call (warned once each)
 _nightshift_recording = []  # non-empty while compile_model's eager call records each region's op
 
 
@@ -53,17 +56,36 @@ def _nightshift_fallback(region):
             "forwards run instead", stacklevel=3)
 
 
+def _nightshift_unverified(region, error):
+    if region not in _nightshift_refused:
+        _nightshift_refused.append(region)
+        _nightshift_warnings.warn(f"nightshift: {region}'s tuned forward refused a call it was not verified on "
+                                  f"({error}): the original forward runs for such calls", stacklevel=3)
+
+
+def _nightshift_seen(module, region, verified):
+    """Whether this instance is like one its region's winner was verified on (decided on its
+    first call, kept on the instance)."""
+    known = module.__dict__.setdefault("_nightshift_verified", {})
+    if region not in known:
+        known[region] = _nightshift_torch.compiler.disable(_nightshift_fingerprint)(module) in verified
+    return known[region]
+
+
 def _nightshift_route(cls, region, tuned):
     """Point cls.forward at `tuned`; installing again replaces the routing, never wraps it."""
     current = cls.__dict__.get("forward")
     original = getattr(current, "__nightshift_original__", None) or cls.forward
     needs_gpu = NEEDS_GPU.get(region, False)
     check = KERNEL_CHECKS.get(region)
+    verified = VERIFIED.get(region)
 
     def forward(self, *args, **kwargs):
-        # Instances of subclasses were never verified, and the tuned kernels define no backward
-        # and were verified for inference only: those calls keep the original forward.
-        if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()):
+        # Instances of subclasses were never verified, nor instances unlike the ones the run saw,
+        # and the tuned kernels define no backward and were verified for inference only: those
+        # calls keep the original forward.
+        if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()) or (
+                verified is not None and not _nightshift_seen(self, region, verified)):
             return original(self, *args, **kwargs)
         compiling = _nightshift_torch.compiler.is_compiling()
         if (compiling or _nightshift_recording) and check is not None and not check(args, kwargs):
@@ -80,7 +102,11 @@ def _nightshift_route(cls, region, tuned):
             return original(self, *args, **kwargs)
         if _nightshift_recording:
             return _nightshift_record(self, region, tuned, args, kwargs)
-        return tuned(self, *args, **kwargs)
+        try:
+            return tuned(self, *args, **kwargs)
+        except NotImplementedError as e:  # a call it was not verified on (an argument's value), refused
+            _nightshift_unverified(region, e)
+            return original(self, *args, **kwargs)
 
     forward.__nightshift_original__ = original
     forward.__nightshift_region__ = region

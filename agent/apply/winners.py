@@ -48,6 +48,10 @@ class Winner:
     class_module: str | None = None
     """Module the class is defined in when that is not the model file (e.g. transformers'
     `transformers.models.llama.modeling_llama`): routed at run time, never edited."""
+    verified: list[str] | None = None
+    """Fingerprints (tools/fingerprint.py) of the instances the winner was verified on: every
+    instance in the model when integration kept it end to end, else the region's frozen one.
+    Only those are routed through it; None (a run frozen before fingerprints): every instance."""
 
 
 def candidate_source(run: RunFolder, digest: str, path: str) -> str:
@@ -148,11 +152,18 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
                 warnings.append(f"{p.name}: candidate {digest} is slower than the original ({label}); "
                                 "applied because of --allow-slower")
             errors = [t.error for t in trials if t.error is not None]
+            verified = None
+            if p.fingerprints:  # end to end, every instance of the model ran it; else the frozen one did
+                verified = sorted(set(p.fingerprints.values())) if origin == "integration" else \
+                    [p.fingerprints[p.region_path]] if p.region_path in p.fingerprints else None
+            if verified is None:
+                warnings.append(f"{p.name}: the run was frozen before instance fingerprints: its winner is routed "
+                                f"into every instance of {p.region_class}, verified or not")
             winners.append(Winner(
                 region=p.name, region_class=p.region_class, candidate_hash=digest,
                 source=candidate_source(run, digest, path), speedup=speedup,
                 error=max(errors) if errors else None, tolerance=str(p.tolerance), timing=timing,
-                planner=planner, template=template, chosen_by=origin))
+                planner=planner, template=template, chosen_by=origin, verified=verified))
         except CandidateSkipped as e:
             skipped[p.name] = str(e)
     if integration is not None and integration.accepted and integration.speedup is not None \
