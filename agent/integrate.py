@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Callable
 from agent import dispatch
 from agent.history import CandidateRecord
 from agent.loop import load_history
-from agent.ways import (BASELINES, LIMITS, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
+from agent.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
                         whole_model)
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
-from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
+from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult, record_failure
 from tools.problem import Problem
 from tools.runfolder import RunFolder
 from tools.trial import Candidate, Trial
@@ -54,17 +54,28 @@ def expected_gain(share: float, speedup: float | None) -> float:
     return share * (1.0 - 1.0 / speedup)
 
 
-def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, *,
-              max_tries: int = MAX_TRIES, limits: Limits | None = None, memory_gb: float = 8.0,
-              on_note: Callable[[str], None] = lambda note: None, modes: list[str] | None = None,
-              cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None,
-              on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None,
-              early: EarlyBaselines | None = None) -> IntegrationResult:
+def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, **how) -> IntegrationResult:
+    """The run integrated (`_integrate`); where the run itself cannot be (no whole-model problem,
+    the tuned model failing end to end), the reason is kept in its folder for the report
+    (tools/e2e.py) before the error goes on."""
+    run = run if isinstance(run, RunFolder) else RunFolder.open(Path(run))
+    try:
+        return _integrate(run, device, baselines, **how)
+    except (IntegrationError, NoWholeModel) as e:
+        record_failure(run.path, str(e))
+        raise
+
+
+def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True, *,
+               max_tries: int = MAX_TRIES, limits: Limits | None = None, memory_gb: float = 8.0,
+               on_note: Callable[[str], None] = lambda note: None, modes: list[str] | None = None,
+               cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None,
+               on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None,
+               early: EarlyBaselines | None = None) -> IntegrationResult:
     """`modes`: the torch.compile baselines to time (names of BASELINES; default all). `on_step`:
     a line per trial as it ends (what it was, its verdict, where its seconds went); `on_in_flight`
     gets a callable saying what the running ways are doing. `early`: the baselines started
     beside the search (agent/early_baselines.py); the ways it finished are not run again."""
-    run = run if isinstance(run, RunFolder) else RunFolder.open(Path(run))
     model, folder, dev, worker_device = whole_model(run, device)
     notes: list[str] = []
 

@@ -19,7 +19,7 @@ from agent.errors import UserError
 from agent.flags import check_freeze_flags
 from sandbox.jail import refusal
 from sandbox.pool import DevicePool
-from tools.capture import MODEL_DIR, RegionChoice, freeze, freeze_model
+from tools.capture import MODEL_DIR, WHOLE_MODEL, RegionChoice, freeze, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
 from tools.problem import Problem, StopRule
@@ -124,7 +124,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                 with user_code(model):
                     freeze_model(loaded, run.path / MODEL_DIR, dev, e2e_tol, device_name=result.device_name)
             except ValueError as e:
-                skipped["(whole model)"] = f"no end-to-end reference: {e}"
+                skipped[WHOLE_MODEL] = f"no end-to-end reference: {e}"
         run.write_info(RunInfo(run_id=run.run_id, model_file=str(loaded.path), model_hash=loaded.file_hash,
                                device=dev.type, versions={k: str(v) for k, v in software_versions().items()},
                                options={"workload": workload, "trace": str(trace) if trace else None,

@@ -21,7 +21,7 @@ from agent.jobs import resolve_device
 from agent.prompting import render_code
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
-from tools.capture import MODEL_DIR
+from tools.capture import MODEL_DIR, WHOLE_MODEL
 from tools.modelfile import file_sha256
 from tools.problem import Problem, ProblemError
 from tools.runfolder import RunFolder
@@ -102,6 +102,10 @@ def compile_candidate(mode: str | None) -> Candidate:
                      planner="torch.compile", template="torch_compile", params={"mode": mode})
 
 
+class NoWholeModel(UserError):
+    """The run has no whole-model problem: nothing can be timed end to end."""
+
+
 def whole_model(run: RunFolder, device: str | None) -> tuple[Problem, Path, torch.device, str]:
     """The run's whole-model problem, its folder, the device to run it on and that device's
     worker name; a UserError when the problem or its model file is gone or changed."""
@@ -109,7 +113,9 @@ def whole_model(run: RunFolder, device: str | None) -> tuple[Problem, Path, torc
     try:
         model = Problem.load(folder)
     except ProblemError as e:
-        raise UserError(f"{e} (this run has no whole-model problem: profile the model again)") from None
+        if why := run.info().skipped.get(WHOLE_MODEL):  # the freeze said why it made none
+            raise NoWholeModel(f"this run has no whole-model problem, so nothing can be timed end to end: {why}") from None
+        raise NoWholeModel(f"{e} (this run has no whole-model problem: profile the model again)") from None
     if not Path(model.model_file).is_file():
         raise UserError(f"{model.model_file}: the model file of this run is gone")
     if file_sha256(Path(model.model_file)) != model.model_hash:

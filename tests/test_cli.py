@@ -231,6 +231,45 @@ def test_a_garbage_integration_json_is_named_by_apply(tiny_run, tmp_path):
     assert_one_line_error(agent("apply", run), f"{run / 'integration.json'} cannot be read")
 
 
+SCALAR_OUT = """import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.norm(x), float(x.shape[-1])  # a number beside the tensor: no end-to-end reference
+
+
+def get_init_inputs():
+    return []
+
+
+def get_inputs():
+    return [torch.randn(8, 32)]
+"""
+
+
+def test_a_run_that_cannot_be_integrated_says_why_and_the_report_repeats_it(tmp_path):
+    """A model whose output holds a Python number freezes its regions but no whole-model problem:
+    integration says that (not 'no problem.json ... profile again', which cannot help), and the
+    report gives the same reason instead of 'has not run yet'."""
+    model = tmp_path / "scalar_out.py"
+    model.write_text(SCALAR_OUT)
+    run = ok_json(agent("profile", "--model", model, "--runs-dir", tmp_path / "runs", "--json"))["run"]
+    result = agent("integrate", run)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "returns something other than tensors" in result.stderr and "profile" not in result.stderr, result.stderr
+    report = agent("report", run)
+    assert report.returncode == 0, report.stderr[-2000:]
+    text = report.stdout + "".join(p.read_text() for p in Path(run).glob("report*.md"))
+    assert "Integration gave no result" in text and "returns something other than tensors" in text, text[-2000:]
+    assert "has not run yet" not in text
+
+
 def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_path):
     """Python 3.11 unwinds daemon threads at exit, and one inside torch's C++ code aborts the
     process after the command's work was done: CI saw a tune print its JSON, then die of SIGABRT

@@ -301,6 +301,8 @@ def _source(cls: type) -> str:
 
 # -- the whole model: one more problem, for integration ------------------------------------------
 MODEL_DIR = "model"
+WHOLE_MODEL = "(whole model)"
+"""The run's `skipped` key that says why the freeze made no whole-model problem."""
 MODEL_PROBLEM = "model"
 
 

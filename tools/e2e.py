@@ -12,6 +12,22 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 INTEGRATION_FILE = "integration.json"
+FAILED_FILE = "integration_failed.txt"
+"""Why the last integration of a run gave no result (removed when one does): the report says it."""
+
+
+def record_failure(run_path: Path, reason: str) -> None:
+    path = Path(run_path) / FAILED_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(reason.strip() + "\n")
+    tmp.replace(path)
+
+
+def last_failure(run_path: Path) -> str | None:
+    try:
+        return (Path(run_path) / FAILED_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 class AcceptedRegion(BaseModel):
@@ -82,6 +98,7 @@ class IntegrationResult(BaseModel):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(self.model_dump_json(indent=2))
         tmp.replace(path)
+        (Path(run_path) / FAILED_FILE).unlink(missing_ok=True)
         return path
 
     @property

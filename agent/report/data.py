@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.history import CandidateRecord, History
-from tools.e2e import IntegrationResult
+from tools.e2e import IntegrationResult, last_failure
 from tools.problem import Problem
 from tools.runfolder import RunFolder, RunInfo
 from tools.trial import Trial
@@ -212,6 +212,8 @@ def collect(run: RunFolder) -> ReportData:
         data.integration = IntegrationResult.load(run.path)
     except (ValueError, OSError) as e:
         data.integration_error = f"integration.json could not be read: {str(e).splitlines()[0]}"
+    if data.integration is None and data.integration_error is None and (why := last_failure(run.path)):
+        data.integration_error = f"Integration gave no result: {why}"
     return data
 
 
