@@ -88,6 +88,10 @@ def resolve(previous: TuneSettings | None, given: dict[str, Any]) -> tuple[TuneS
     fields["no_jail"] = bool(given.get("no_jail"))
     if fields["no_jail"]:
         notes.append("--no-jail: candidates run without the sandbox's jail, with your user's rights")
+    for key, why in (("max_candidates", "nothing would be tried"),
+                     ("patience", "every region would stop before its first trial")):
+        if isinstance(rule.get(key), int) and rule[key] < 1:  # one message for 0 and -3 alike
+            raise UserError(f"--{key.replace('_', '-')} {rule[key]}: {why}; give 1 or more")
     try:
         settings = TuneSettings(**fields, stop_rule=StopRule(**rule))
     except ValidationError as e:

@@ -133,7 +133,7 @@ BAD = {
     "gpu-hours negative": (["tune", "--model", TINY, "--gpu-hours", "-1"], "--gpu-hours"),
     "gpu-hours zero": (["tune", "--model", TINY, "--gpu-hours", "0"], "--gpu-hours 0: no trial fits"),
     "max-candidates zero": (["tune", "--model", TINY, "--max-candidates", "0"], "--max-candidates 0: nothing"),
-    "max-candidates negative": (["tune", "--model", TINY, "--max-candidates", "-2"], "--max-candidates"),
+    "max-candidates negative": (["tune", "--model", TINY, "--max-candidates", "-2"], "--max-candidates -2: nothing would be tried"),
     "patience negative": (["tune", "--model", TINY, "--patience", "-3"], "--patience"),
     "patience zero": (["tune", "--model", TINY, "--patience", "0"], "--patience 0"),
     "max-usd zero": (["tune", "--model", TINY, "--max-usd", "0"], "--max-usd 0"),

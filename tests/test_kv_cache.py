@@ -325,7 +325,7 @@ def test_the_worker_keeps_a_cache_at_one_address_across_its_timed_runs():
         return cache.sum(1)
     w.problems = {"p": {"region": torch.nn.Identity(), "forward": fwd}}
     w._device_set = lambda p, i: ([torch.randn(2, 8), torch.zeros(2, 16, 8)], {})
-    w._copy_outputs = lambda out: ([out.clone()], None)
+    w._copy_outputs = lambda out, snaps: ([out.clone()], None)
     caches, real = [], timing.run_batch
 
     def spy(call, make, reps, *a, **k):
@@ -358,7 +358,7 @@ def test_a_timed_input_set_is_copied_to_the_device_once_per_candidate():
         copies.append(i)
         return [torch.randn(4, 8)], {}
     w._device_set = device_set
-    w._copy_outputs = lambda out: ([out.clone()], None)
+    w._copy_outputs = lambda out, snaps: ([out.clone()], None)
     for seed in (1, 2, 3):
         head, _ = w.op_batch({"problem": "p", "set": 0, "seed": seed, "reps": 2}, None)
         assert head["upload_ms"] >= 0

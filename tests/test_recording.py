@@ -189,3 +189,71 @@ def test_a_candidate_declares_the_regions_own_signature():
     call = {"args": [1, 2], "kwargs": {"d": None}}
     _, literals = call_facts(call, params, argument_names(call, params))
     assert literals == {"c": "None", "d": "None"}  # e's default is float32, not the None it is written as
+
+
+STATEFUL = """
+import torch
+from torch import nn
+
+
+class Counted(nn.Module):  # answers otherwise every call: no fixed answer
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) + 0.01 * self.calls
+
+
+class Cached(nn.Module):  # writes its buffer, alike every call: the same answer
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("table", torch.zeros(16))
+
+    def forward(self, x):
+        self.table.copy_(torch.arange(16.0) / 16)
+        return torch.relu(self.lin(x)) * self.table
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn = nn.BatchNorm1d(16)
+        self.counted, self.cached = Counted(), Cached()
+
+    def forward(self, x):
+        return self.cached(self.counted(self.bn(x)))
+
+
+def get_init_inputs():
+    return []
+
+
+def get_inputs():
+    return [torch.randn(32, 16)]
+"""
+
+
+def test_a_region_whose_calls_change_its_answer_is_skipped_and_eval_mode_is_said(tmp_path):
+    """A region that writes its own buffer and then answers otherwise has no answer to freeze:
+    skipped, saying so (its trials were all `lost` as 'depends on state outside the region');
+    one that writes its buffer alike each call is frozen; so is the whole model's missing
+    reference explained. A model built in training mode is frozen in eval mode, and its
+    BatchNorm's problem says so."""
+    path = tmp_path / "stateful.py"
+    path.write_text(STATEFUL)
+    loaded = load_model(path, "cpu")
+    problems, skipped = freeze(loaded, [RegionChoice(c) for c in ("Counted", "Cached", "BatchNorm1d")],
+                               tmp_path / "problems", torch.device("cpu"))
+    why = {s.class_name: s.reason for s in skipped}
+    assert list(why) == ["Counted"] and "changes its own parameters or buffers (calls)" in why["Counted"], why
+    assert sorted(p.region_class for p in problems) == ["BatchNorm1d", "Cached"]
+    bn = next(p for p in problems if p.region_class == "BatchNorm1d")
+    assert any("frozen in eval mode" in n and "BatchNorm1d" in n for n in bn.notes), bn.notes
+    from tools.capture import freeze_model
+    with pytest.raises(ValueError, match="changes its own parameters or buffers in its forward"):
+        freeze_model(loaded, tmp_path / "model", torch.device("cpu"))

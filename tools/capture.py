@@ -16,6 +16,7 @@ graph facts (`tools.graph`) that could not be computed are left out with a note 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -178,6 +179,7 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
         # The region alone, rebuilt from the file and the frozen state, must give the same outputs.
         try:
             alone = build_region(loaded.path, rep, state, device)
+            versions = _versions(alone)
             with torch.no_grad():
                 again, random = draws_random(lambda: [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0]
                                                       for s in inputs], device)
@@ -215,6 +217,14 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
             skipped.append(Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
                                    f"by {drift:.3g} (> {tol}): {why}{why_absent}"))
             continue
+        written = [n for n, v in _versions(alone).items() if versions.get(n, v) != v]
+        if written and (moved := _answer_moved(alone, inputs[0], reference[0], tol, random, device)):
+            skipped.append(Skipped(choice.class_name, f"its forward changes its own parameters or buffers "
+                                   f"({', '.join(written[:3])}) and then answers otherwise (by {moved:.3g} on a "
+                                   "second call): it has no fixed answer to judge a candidate by"))
+            continue
+        if kinds := _train_only(loaded, module):
+            notes.append(_eval_note(kinds))
         constant = _constant([t for outs, _ in flat for t in outs])
         if constant is not None:
             notes.append(f"every output element is {constant:g} on every frozen input set: a candidate may return "
@@ -356,6 +366,9 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(input_set))],
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
     model = loaded.model
+    if written := _state_written(model, state):  # the sandbox refuses a trial that writes them too
+        raise ValueError(f"the model changes its own parameters or buffers in its forward ({', '.join(written[:3])}): "
+                         "every call starts from another state, so it has no fixed answer to compare with")
     problem = Problem(
         name=MODEL_PROBLEM, region_class=type(model).__qualname__, region_path="", instances=[""],
         region_source=_source(type(model)), model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
@@ -366,7 +379,8 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
         inplace_inputs=inplace_paths([p["name"] for p in signature_facts(type(model))],
                                      set(inplace_names(type(model))), inputs[0]), seeded_calls=random,
-        model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}))
+        model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}),
+        notes=[_eval_note(kinds)] if (kinds := _train_only(loaded, model)) else [])
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem
 
@@ -400,3 +414,44 @@ def calibrated_tolerance(model: torch.nn.Module, inputs: list, outputs: list, dt
     if value <= floor.value:
         return floor, f"calibrated: two rounding steps exceed twice today's error vs {against} ({error:.3g})"
     return Tolerance(kind=floor.kind, value=value), f"calibrated: twice today's error vs {against} ({error:.3g})"
+
+
+def _state_written(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    """Parameters and buffers of `module` that differ from `before` (its state before its calls)."""
+    now = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    return [n for n, t in now.items() if n in before and not (
+        t.shape == before[n].shape and torch.equal(t.detach().cpu(), before[n]))]
+
+
+def _versions(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """Each parameter and buffer: (the tensor's identity, its count of in-place writes)."""
+    out = {}
+    for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        try:
+            out[n] = (id(t), t._version)
+        except RuntimeError:  # an inference tensor counts no writes
+            pass
+    return out
+
+
+def _answer_moved(region: torch.nn.Module, input_set: dict, reference: dict, tol: Tolerance, seeded: bool,
+                  device: torch.device) -> float:
+    """How far a further call on the first input set lands from its frozen answer, where that is
+    beyond the tolerance (0 where not): a cache rebuilt alike is state written, not an answer moved."""
+    args, kwargs = call_args(input_set, device)
+    with torch.no_grad(), (seeded_rng(device) if seeded else contextlib.nullcontext()):
+        outs = flatten(region(*args, **kwargs))[0]
+    refs = [r if r is None or t is None else r.to(t.device) for r, t in zip(reference["outputs"], outs)]
+    error = diff(outs, refs).error(tol)
+    return error if error > tol.value else 0.0
+
+
+def _train_only(loaded: LoadedModel, module: torch.nn.Module) -> list[str]:
+    """Which of the model's train-only behaviours (loaded.train_only) this module holds."""
+    held = {type(m).__name__ for m in module.modules()}
+    return [k for k in getattr(loaded, "train_only", []) if k in held]
+
+
+def _eval_note(kinds: list[str]) -> str:
+    return (f"frozen in eval mode (model.eval(): nightshift tunes inference): its {', '.join(kinds)} run as in "
+            "inference, and a candidate is judged against those outputs")

@@ -88,6 +88,9 @@ class LoadedModel:
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables the model file read while it was imported and built (settings such
     as LLAMA_PRESET): sandbox workers get exactly these, nothing else of the tuner's environment."""
+    train_only: list[str] = field(default_factory=list)
+    """Classes of modules that were in training mode and behave otherwise in inference (BatchNorm,
+    Dropout): the model is tuned in eval mode, and the frozen outputs are eval-mode outputs."""
 
 
 SECRET_HINT = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH")
@@ -301,6 +304,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
         workloads = _workloads(path, module) if trace is None else trace_workloads(path, module, trace, trace_keep_own)
     if not isinstance(model, torch.nn.Module):
         raise ModelFileError(f"{path}: Model(...) did not return a torch.nn.Module")
+    # Tuned for inference: modules that behave otherwise in training are said to run as in inference.
+    kinds = sorted({type(m).__name__ for m in model.modules()
+                    if m.training and isinstance(m, (torch.nn.modules.batchnorm._BatchNorm,
+                                                     torch.nn.modules.dropout._DropoutNd))})
     model = _call(path, f"moving the model to {device}", model.to, device).eval()
     if workload is not None:
         names = [w.name for w in workloads]
@@ -339,7 +346,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", *, workload
                 if w.name in written and w.name in fresh:
                     w.pristine = host_copy(fresh[w.name].inputs)
                     w.inputs = to_device(fresh[w.name].inputs, device)
-    return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs, env)
+    return LoadedModel(path, module, model, workloads, file_sha256(path), init_inputs, env, train_only=kinds)
 
 
 def library_imports(source: str) -> list[tuple[str, tuple[str, ...]]]:
