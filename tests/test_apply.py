@@ -443,6 +443,12 @@ def test_applied_winners_run_only_where_they_were_verified(tmp_path):
             with pytest.warns(UserWarning, match="refused a call it was not verified on"):
                 out = _Norm(4, 1e-5).eval()(x, mask=torch.ones(2, 4))
             assert float(out[0, 0]) < 1000
+            # Under torch.compile the winner is an opaque op recorded on a call without a mask; a
+            # call with one runs the original inside the op.
+            norm = _Norm(4, 1e-5).eval()
+            compiled = merged.compile_model(norm, x, mask=None)
+            assert float(compiled(x, mask=None)[0, 0]) > 1000
+            assert float(compiled(x, mask=torch.ones(2, 4))[0, 0]) < 1000
     finally:
         _Norm.forward = original
 
