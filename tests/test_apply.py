@@ -449,6 +449,14 @@ def test_applied_winners_run_only_where_they_were_verified(tmp_path):
             compiled = merged.compile_model(norm, x, mask=None)
             assert float(compiled(x, mask=None)[0, 0]) > 1000
             assert float(compiled(x, mask=torch.ones(2, 4))[0, 0]) < 1000
+        # Autograd on, in eval mode (attribution, a forgotten no_grad): the kernels have no backward,
+        # so the original runs and the gradients are the original's.
+        norm = _Norm(4, 1e-5).eval()
+        with pytest.warns(UserWarning, match="autograd on"):
+            y = norm(x)
+        assert float(y[0, 0]) < 1000 and y.requires_grad
+        y.sum().backward()
+        assert norm.weight.grad is not None
     finally:
         _Norm.forward = original
 

@@ -22,7 +22,8 @@ RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "VERI
             "_nightshift_as_op", "_nightshift_recording", "_nightshift_compile_kwargs",
             "_nightshift_os", "_nightshift_torch", "_nightshift_warnings", "_nightshift_importlib",
             "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find",
-            "_nightshift_unverified", "_nightshift_refused"}
+            "_nightshift_unverified", "_nightshift_refused",
+            "_nightshift_needs_grad", "_nightshift_grad_warned"}
 """Module-level names the routing code owns; candidates' names are renamed around them."""
 
 IMPORTS = ["import importlib as _nightshift_importlib", "import itertools as _nightshift_itertools",
@@ -32,6 +33,7 @@ IMPORTS = ["import importlib as _nightshift_importlib", "import itertools as _ni
 ROUTING = '''
 
 _nightshift_warned = []
+_nightshift_grad_warned = []  # regions called with autograd on (warned once each)
 _nightshift_refused = []  # regions whose tuned forward refused a call (warned once each)
 _nightshift_recording = []  # non-empty while compile_model's eager call records each region's op
 
@@ -63,6 +65,24 @@ def _nightshift_unverified(region, error):
                                   f"({error}): the original forward runs for such calls", stacklevel=3)
 
 
+def _nightshift_needs_grad(module, region, args, kwargs):
+    """Autograd would record this call (training, or eval with a tensor or parameter that requires
+    grad): the tuned kernels have no backward, so the original forward runs, said once."""
+    if not _nightshift_torch.is_grad_enabled():
+        return False
+    training = getattr(module, "training", False)
+    params = module.parameters() if isinstance(module, _nightshift_torch.nn.Module) else ()
+    if not training and not any(p.requires_grad for p in params) and not any(
+            isinstance(v, _nightshift_torch.Tensor) and v.requires_grad for v in (*args, *kwargs.values())):
+        return False
+    if not training and region not in _nightshift_grad_warned:
+        _nightshift_grad_warned.append(region)
+        _nightshift_warnings.warn(f"nightshift: {region} is called with autograd on; the tuned kernels have no "
+                                  "backward, so its original forward runs (run inference under torch.no_grad() or "
+                                  "torch.inference_mode() for the tuned kernels)", stacklevel=4)
+    return True
+
+
 def _nightshift_seen(module, region, verified):
     """Whether this instance is like one its region's winner was verified on (decided on its
     first call, kept on the instance)."""
@@ -84,7 +104,7 @@ def _nightshift_route(cls, region, tuned):
         # Instances of subclasses were never verified, nor instances unlike the ones the run saw,
         # and the tuned kernels define no backward and were verified for inference only: those
         # calls keep the original forward.
-        if type(self) is not cls or (self.training and _nightshift_torch.is_grad_enabled()) or (
+        if type(self) is not cls or _nightshift_needs_grad(self, region, args, kwargs) or (
                 verified is not None and not _nightshift_seen(self, region, verified)):
             return original(self, *args, **kwargs)
         compiling = _nightshift_torch.compiler.is_compiling()
