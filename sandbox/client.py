@@ -228,25 +228,29 @@ class Worker:
         """The worker and every process it started: the jail's pid namespace dies with its
         first process; without a jail, the worker's process group and every process that
         carries its marker (a candidate's setsid grandchildren)."""
-        if self.proc is not None:
+        # Read once: another thread (an interrupt, a timeout) may be killing it too, and the
+        # wait for the jail to end leaves time for that.
+        proc = self.proc
+        if proc is not None:
             stray = self.members() if self.isolation.get("kind") != "bubblewrap" else set()
-            procs.kill_group(self.proc.pid)
+            procs.kill_group(proc.pid)
             for pid in stray - {os.getpid()}:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
             try:
-                self.proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            self.proc = None
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-        if self.tmpdir:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-            self.tmpdir = None
+            if self.proc is proc:
+                self.proc = None
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+        tmpdir, self.tmpdir = self.tmpdir, None
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
         _LIVE.discard(self)
 
     def close(self) -> None:

@@ -59,12 +59,16 @@ class ReferenceWorker:
             started = self.worker.start()
             if not started.ok:
                 return started
+            started_at = self.worker.starts
             for name, reg in self.problems.items():
                 reply = register(self.worker, reg.problem, reg.folder, self.start_timeout)
                 if not reply.ok:
+                    why = f"the reference worker could not set up {name}: {reply.error or reply.header.get('error')}"
+                    if self.worker.alive and self.worker.starts == started_at:  # that problem only: its trials lost
+                        reg.drift = why
+                        continue
                     self.worker.kill()
-                    return Reply(False, status="crash", error=f"the reference worker could not set up {name}: "
-                                 f"{reply.error or reply.header.get('error')}")
+                    return Reply(False, status="crash", error=why)
                 reg.effects = {**reply.header.get("effects", {}),
                                "post_inputs": (reply.tensors or {}).get("post_inputs")}
                 reg.drift = _drift(reg.problem, self.reference[name], (reply.tensors or {}).get("outputs") or [])

@@ -103,6 +103,8 @@ class TrialRunner:
         runners that verify several ways of running one model on one draw: the reference
         worker's answer is computed once."""
         self.siblings: list[TrialRunner] = [self]
+        self.unregistered: dict[str, str] = {}
+        """Problems this runner's worker could not set up, and why: their trials are lost."""
         """Runners whose workers share this device (the executor sets one list for all of them):
         those under the same device lock are stopped while this one times (`quiet`)."""
 
@@ -130,6 +132,7 @@ class TrialRunner:
         for part, s in (started.header.get("parts") or {}).items():  # the worker's own account
             if part in HELLO_PARTS and isinstance(s, (int, float)) and 0 <= s < 1e5:
                 self.phases[f"start.worker.{part}"] = s
+        self.unregistered, starts = {}, self.worker.starts
         t_reg = time.monotonic()  # of the start: the process and its hello, then every problem's inputs and region
         for name, lp in self.problems.items():
             reply = register(self.worker, lp.problem, lp.folder, self.limits.compile_s)
@@ -137,6 +140,11 @@ class TrialRunner:
                 if part in REGISTER_PARTS and isinstance(s, (int, float)) and 0 <= s < 1e5:
                     self.phases[f"start.register.{part}"] = self.phases.get(f"start.register.{part}", 0.0) + s
             if not reply.ok:
+                if self.worker.alive and self.worker.starts == starts:
+                    # that problem only (a module that cannot be rebuilt): its trials are lost, not every region's
+                    self.unregistered[name] = (f"the worker could not set up problem {name}: "
+                                               f"{reply.error or reply.header.get('error')}")
+                    continue
                 self.worker.kill()
                 return Reply(False, status="crash", error=f"worker could not set up problem {name}: "
                              f"{reply.error or reply.header.get('error')}")
@@ -285,7 +293,7 @@ class TrialRunner:
         if bad is not None:
             return self._fail(c, lp, Reply(False, status="lost", error=bad.error))
         self.members_before = self.worker.members()
-        if drift := self.reference.problems[c.region].drift:
+        if drift := self.reference.problems[c.region].drift or self.unregistered.get(c.region):
             return self._fail(c, lp, Reply(False, status="lost", error=drift))
         lim = self.limits
         self.step("importing and compiling")

@@ -152,3 +152,70 @@ def test_admission_says_what_is_short():
     fits = Admission(torch.device("cuda"), 0, copies=True, host_free=64 << 30)
     fits.admit(1 << 30, 1 << 30)
     assert fits.workers_that_fit() == 6 and "about 6 fit" in fits.note()
+
+
+TWO_REGIONS = """
+import os
+import torch
+from torch import nn
+
+
+class Good(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class Odd(nn.Module):  # rebuilt in a sandbox worker, it has a parameter the freeze never saw
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        if os.environ.get("NIGHTSHIFT_WORKER"):
+            self.extra = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.good, self.odd = Good(), Odd()
+
+    def forward(self, x):
+        return self.odd(self.good(x))
+
+
+def get_init_inputs():
+    return []
+
+
+def get_inputs():
+    return [torch.randn(8, 16)]
+"""
+
+
+def test_a_problem_no_worker_can_set_up_loses_its_own_trials_only(tmp_path):
+    """One region the sandbox cannot rebuild (a compiled submodule, a class that differs there)
+    made every trial of every region `lost`; now only that region's."""
+    from sandbox.runner import Limits, TrialRunner
+    from tools.trial import Candidate, Status
+    path = tmp_path / "two.py"
+    path.write_text(TWO_REGIONS)
+    problems, skipped = freeze(load_model(path, "cpu"), [RegionChoice("Good"), RegionChoice("Odd")],
+                               tmp_path / "problems", torch.device("cpu"))
+    assert not skipped, skipped
+    own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+    runner = TrialRunner("cpu", Limits(compile_s=60, run_s=60, time_s=60))
+    try:
+        for p in problems:
+            runner.add_problem(tmp_path / "problems" / p.name)
+        good = runner.run(Candidate(region="Good", source=own), do_time=False)
+        odd = runner.run(Candidate(region="Odd", source=own), do_time=False)
+    finally:
+        runner.close()
+    assert good.status is Status.ok, good.reason
+    assert odd.status is Status.lost and "no longer has the frozen parameters" in odd.reason, odd.reason

@@ -163,6 +163,9 @@ def plan_regions(result: ProfileResult, coverage: float = 0.9, max_regions: int 
             verdict(c, False, f"too small to tune ({c.share:.1%} of the time)")
         elif c.class_name in exclude or c.qualname in exclude:
             verdict(c, False, "excluded by name")
+        elif c.qualname.startswith("torch._dynamo."):  # OptimizedModule: the model compiles it itself
+            verdict(c, False, "the model already runs it under torch.compile (a compiled module is not rebuilt "
+                              "or routed on its own)")
         elif (fate := tree.fate(c))[0] == "descend":
             verdict(c, False, fate[1])
         elif clash := next((s for s in chosen if any(_inside(p, q) or _inside(q, p) or p == q
