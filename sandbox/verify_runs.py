@@ -100,19 +100,31 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
             again = T.vary_set(*base, int(item["seed"]))
             if T.changed_from([args, kwargs], [again[0], again[1]]):
                 mutated["fresh"].append(item["set"])
-        moved = None
+        moved: list[str] = []
         if req.get("perturb"):
+            # The perturbed values written into the very tensors the candidate has used (as an
+            # optimizer step or load_state_dict would), then put back: a candidate that kept a copy
+            # of a weight from an earlier call answers with the old one here.
             spec = req["perturb"]
-            moved = T.perturbed(p["region"], int(spec["seed"]))
+            want = T.tensors_map(T.perturbed(p["region"], int(spec["seed"])))
+            own = T.tensors_map(module)
+            saved = {n: T.snap(t) for n, t in own.items() if n in want}
+            for n in saved:
+                own[n].copy_(want[n])
             args, kwargs = w._device_set(p, spec["set"])
-            call("perturbed", moved, args, kwargs, None, [])
+            try:
+                call("perturbed", module, args, kwargs, None, [])
+                w._sync()
+                moved = [n for n in saved if not T.same_bits(own[n], want[n])]
+            finally:
+                for n, t in saved.items():
+                    own[n].copy_(t)
         running = _wait_for_candidate_threads(w.workdir, LATE_THREAD_WAIT_S)
         check_late()
         late += [f"(a thread still running the candidate's code after its calls returned: {name})" for name in running]
         pending.clear()
     changed = _module_changes(torch, p["region"], module)
-    if moved is not None:
-        changed += [f"(perturbed copy) {n_}" for n_ in _module_changes(torch, T.perturbed(p["region"], int(req["perturb"]["seed"])), moved)]
+    changed += [f"(while perturbed) {n_}" for n_ in moved]
     header = {"meta": meta, "params_changed": changed, "mutated": mutated, "late_writes": late,
               "tampered": integrity.changed(w.snapshot, w.classes, list(integrity.COMPUTE_OPS))}
     w.verified = (header, runs, post_inputs)
