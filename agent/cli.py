@@ -9,6 +9,7 @@ box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report writt
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import sys
 from functools import wraps
@@ -31,8 +32,28 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+_JSON_FD: list[int] = []
+"""The real stdout, once `_stdout_for_json` has sent everything else to stderr."""
+
+
+def _stdout_for_json(json_out: bool) -> None:
+    """With --json, stdout carries the JSON and nothing else: what the model file prints while
+    it is loaded and profiled (Python or C) goes to stderr, down to the file descriptor."""
+    if not json_out or _JSON_FD:
+        return
+    sys.stdout.flush()
+    _JSON_FD.append(os.dup(1))
+    os.dup2(2, 1)
+
+
 def _emit_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    if not _JSON_FD:
+        sys.stdout.write(text)
+        return
+    sys.stdout.flush()
+    with os.fdopen(os.dup(_JSON_FD[0]), "w") as real:
+        real.write(text)
 
 
 def _say(text: str) -> None:
@@ -121,6 +142,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Profile a model, print its hotspots, and freeze the top regions as problems."""
+    _stdout_for_json(json_out)
     from agent.flags import check_freeze_flags
     check_freeze_flags(model, runs_dir, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
                        region_tolerance=region_tolerance, max_regions=max_regions, coverage=coverage,
@@ -229,6 +251,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
              "no_jail": no_jail or None}
     request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
                           max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads)
+    _stdout_for_json(json_out)
     tty = sys.stdout.isatty()
     result = tune_session(request, say=(lambda text: None) if json_out else _say,
                           warn=lambda text: err.print(f"note: {text}", **PLAIN),

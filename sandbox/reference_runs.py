@@ -35,10 +35,11 @@ def refs(w: Any, req: dict) -> tuple[dict, Any]:
 def original_effects(w: Any, p: dict) -> tuple[dict, Any]:
     """What the original does besides returning: which input sets it changes in place (those
     post-call inputs come back, to be compared like outputs) and which outputs share memory
-    with its inputs or parameters (a candidate may do the same there, nowhere else)."""
+    with its inputs or parameters (a candidate may do the same there, nowhere else), and which
+    of its outputs are dense row-major (a candidate's must be too there)."""
     from tools.region import flatten
     region, fwd = p["region"], p["forward"]
-    mutated, post, aliases, outputs = [], [], [], []
+    mutated, post, aliases, outputs, row_major = [], [], [], [], []
     param_spans = T.spans_of(list(T.tensors_map(region).values()))
     earlier: list = []  # the last call's outputs, alive: does the original hand out one buffer twice?
     with w.torch.no_grad():
@@ -52,6 +53,7 @@ def original_effects(w: Any, p: dict) -> tuple[dict, Any]:
                              "param": isinstance(t, w.torch.Tensor) and T.shares_memory(t, param_spans),
                              "earlier": isinstance(t, w.torch.Tensor) and T.shares_memory(t, old)}
                             for t in leaves])
+            row_major.append([isinstance(t, w.torch.Tensor) and t.is_contiguous() for t in leaves])
             earlier = [t for t in leaves if isinstance(t, w.torch.Tensor)]
             outputs.append([None if t is None else T.plain_tensor(t) for t in leaves])
             # Compared with the frozen set where the inputs live: hashing host copies of a KV cache
@@ -59,4 +61,5 @@ def original_effects(w: Any, p: dict) -> tuple[dict, Any]:
             changed = T.changed_from({"args": args, "kwargs": kwargs}, p["inputs"][i])
             mutated.append(changed)
             post.append(T.host({"args": args, "kwargs": kwargs}) if changed else None)
-    return {"mutates_inputs": mutated, "aliases": aliases}, {"outputs": outputs, "post_inputs": post}
+    return ({"mutates_inputs": mutated, "aliases": aliases, "row_major": row_major},
+            {"outputs": outputs, "post_inputs": post})

@@ -377,7 +377,8 @@ def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -
     meta = (kept.header.get("meta") or [None])[0]
     if got is None or not isinstance(meta, dict):
         raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: no output was kept for it")
-    bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0])
+    layouts = (r.reference.problems[p.name].effects or {}).get("row_major") or []
+    bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0], layouts[i] if i < len(layouts) else None)
     if bad:
         raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")
     want = _answer(r, lp, i, s, j)

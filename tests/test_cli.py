@@ -270,6 +270,17 @@ def test_a_run_that_cannot_be_integrated_says_why_and_the_report_repeats_it(tmp_
     assert "has not run yet" not in text
 
 
+def test_json_on_stdout_stays_json_when_the_model_prints(tmp_path):
+    """A model that prints in every forward (and while it is built): with --json, stdout is the
+    JSON document alone; what the model printed goes to stderr."""
+    model = tmp_path / "chatty.py"
+    model.write_text(SCALAR_OUT.replace("return self.norm(x), float(x.shape[-1])", "print('forward!'); return self.norm(x)")
+                     .replace("self.norm = nn.LayerNorm(32)", "self.norm = nn.LayerNorm(32)\n        print('built!')"))
+    result = agent("profile", "--model", model, "--runs-dir", tmp_path / "runs", "--json")
+    data = ok_json(result)
+    assert data["problems"] and "forward!" in result.stderr and "built!" in result.stderr
+
+
 def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_path):
     """Python 3.11 unwinds daemon threads at exit, and one inside torch's C++ code aborts the
     process after the command's work was done: CI saw a tune print its JSON, then die of SIGABRT

@@ -240,6 +240,23 @@ def test_a_cross_process_offset_is_inside_the_band_as_the_verdict_reads_it():
     assert ab_band([1.0, 1.0], [1.0, 1.0], [], "cuda") < 0.05
 
 
+def test_right_values_in_transposed_strides_are_refused_where_the_region_returns_row_major(frozen):
+    """A parent that views the region's output (x.view(...)) raised on every call of an applied
+    model whose winner returned the right values in column-major strides: where the original's
+    output is dense row-major, the candidate's must be."""
+    region, _ = frozen["LayerNorm"]
+    flipped = OWN.replace("return type(module).forward(module, *args, **kwargs)",
+                          "out = type(module).forward(module, *args, **kwargs)\n"
+                          "    return out.transpose(-1, -2).contiguous().transpose(-1, -2)")
+    runner = TrialRunner("cpu", Limits(compile_s=120, run_s=60))
+    try:
+        runner.add_problem(region)
+        trial = runner.run(Candidate(region=region.name, source=flipped), do_time=False)
+    finally:
+        runner.close()
+    assert trial.status is Status.shape and "row-major" in trial.reason, (trial.status, trial.reason)
+
+
 def test_an_output_that_is_a_slice_is_no_shape_error_but_an_expanded_one_is(tmp_path):
     """transformers' GPT-J rotary embedding returns two halves of one row: strided views with
     gaps. Its own forward, and a rewrite returning dense copies, must pass; an output whose

@@ -103,7 +103,9 @@ def overlaps(shape: list[int], stride: list[int]) -> bool:
     return False
 
 
-def check_structure(meta: dict, ref: dict, device_type: str) -> str | None:
+def check_structure(meta: dict, ref: dict, device_type: str, row_major: list | None = None) -> str | None:
+    """Why the outputs described by `meta` cannot stand for the region's (None if they can).
+    `row_major`: per output, whether the original's own was dense row-major (reference worker)."""
     if meta["structure"] != ref["structure"]:
         return f"returns {meta['structure']}, the region returns {ref['structure']}"
     for i, (m, r) in enumerate(zip(meta["outputs"], ref["outputs"])):
@@ -121,9 +123,27 @@ def check_structure(meta: dict, ref: dict, device_type: str) -> str | None:
         # own output overlaps too; gaps are fine (transformers returns slices of its caches).
         if overlaps(m["shape"], m["stride"]) and not overlaps(list(r.shape), list(r.stride())):
             return f"output {i} has strides {m['stride']} whose elements overlap (the region's do not)"
+        # The code around the region may view or reshape what it returns: where the region's output
+        # is dense row-major, the candidate's must be too (right values in transposed strides made
+        # the applied model's next .view() raise on every call).
+        if row_major and i < len(row_major) and row_major[i] is True and not dense_row_major(m["shape"], m["stride"]):
+            return (f"output {i} has strides {m['stride']}, where the region's own output is dense row-major: "
+                    "the code that uses it may view it")
         if m.get("requires_grad"):
             return f"output {i} requires grad (the region's outputs do not)"
     return None
+
+
+def dense_row_major(shape: list[int], stride: list[int]) -> bool:
+    """What torch.Tensor.is_contiguous() says, from a shape and strides (size-1 dims ignored)."""
+    expected = 1
+    for size, st in reversed(list(zip(shape, stride))):
+        if size == 0:
+            return True
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclass
@@ -162,15 +182,20 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
     evidence this process holds (frozen references, the reference worker's answers)."""
     reference, effects = ev.reference, ev.effects or {}
     metas = report["meta"]
+    layouts = effects.get("row_major") or []
+
+    def layout(i: int) -> list | None:
+        return layouts[i] if i < len(layouts) else None
     for key, sets in (("a", range(len(reference))), ("b", range(len(reference)))):
         for i in sets:
-            bad = check_structure(metas[key][i], reference[i], device_type)
+            bad = check_structure(metas[key][i], reference[i], device_type, layout(i))
             if bad:
                 return Verdict(Status.shape, f"input set {i}: {bad}")
-    extra = [(f"fresh {ev.fresh_sets[k]}", m, reference[ev.fresh_sets[k]]) for k, m in enumerate(metas.get("fresh", []))]
-    extra += [("perturbed", m, reference[ev.perturbed_set]) for m in metas.get("perturbed", [])]
-    for label, m, ref in extra:
-        bad = check_structure(m, ref, device_type)
+    extra = [(f"fresh {ev.fresh_sets[k]}", m, reference[ev.fresh_sets[k]], ev.fresh_sets[k])
+             for k, m in enumerate(metas.get("fresh", []))]
+    extra += [("perturbed", m, reference[ev.perturbed_set], ev.perturbed_set) for m in metas.get("perturbed", [])]
+    for label, m, ref, i in extra:
+        bad = check_structure(m, ref, device_type, layout(i))
         if bad:
             return Verdict(Status.shape, f"{label} inputs: {bad}")
     aliases = effects.get("aliases") or []
@@ -179,7 +204,7 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
             bad = _alias_issue(m, aliases[i] if i < len(aliases) else None)
             if bad:
                 return Verdict(Status.aliased, f"input set {i}: {bad}")
-    for label, m, _ in extra:
+    for label, m, _, _ in extra:
         bad = _alias_issue(m, aliases[0] if aliases else None)
         if bad:
             return Verdict(Status.aliased, f"{label} inputs: {bad}")
