@@ -9,16 +9,17 @@ box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report writt
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import sys
 from functools import wraps
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+
+from agent.json_stdout import claim as _stdout_for_json, emit as _emit_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="nightshift: overnight, accuracy-gated search for faster GPU kernels.")
@@ -30,30 +31,6 @@ PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}
 def _fail(message: str, code: int = 2) -> None:
     err.print(f"error: {' '.join(message.split())}", **PLAIN)  # one line, however long
     raise typer.Exit(code)
-
-
-_JSON_FD: list[int] = []
-"""The real stdout, once `_stdout_for_json` has sent everything else to stderr."""
-
-
-def _stdout_for_json(json_out: bool) -> None:
-    """With --json, stdout carries the JSON and nothing else: what the model file prints while
-    it is loaded and profiled (Python or C) goes to stderr, down to the file descriptor."""
-    if not json_out or _JSON_FD:
-        return
-    sys.stdout.flush()
-    _JSON_FD.append(os.dup(1))
-    os.dup2(2, 1)
-
-
-def _emit_json(data: Any) -> None:
-    text = json.dumps(data, indent=2, default=str) + "\n"
-    if not _JSON_FD:
-        sys.stdout.write(text)
-        return
-    sys.stdout.flush()
-    with os.fdopen(os.dup(_JSON_FD[0]), "w") as real:
-        real.write(text)
 
 
 def _say(text: str) -> None:
