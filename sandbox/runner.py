@@ -66,9 +66,11 @@ class LoadedProblem:
 
 
 REGISTER_PARTS = ("files", "import", "build")
-HELLO_PARTS = ("imports", "setup", "device", "triton")
 """What a problem's registration in a worker spent: loading its inputs and state, importing the
 model file (once per file), building the region on the device."""
+HELLO_PARTS = ("imports", "setup", "device", "triton")
+"""What a worker's start spent before its hello: importing torch and the harness, isolating
+itself, initialising the device, importing Triton."""
 
 SEED_SETS = 2
 """Fresh-input and perturbation draws per problem and reference worker, used in turn: the
@@ -103,10 +105,10 @@ class TrialRunner:
         runners that verify several ways of running one model on one draw: the reference
         worker's answer is computed once."""
         self.siblings: list[TrialRunner] = [self]
-        self.unregistered: dict[str, str] = {}
-        """Problems this runner's worker could not set up, and why: their trials are lost."""
         """Runners whose workers share this device (the executor sets one list for all of them):
         those under the same device lock are stopped while this one times (`quiet`)."""
+        self.unregistered: dict[str, str] = {}
+        """Problems this runner's worker could not set up, and why: their trials are lost."""
 
     # -- set-up ----------------------------------------------------------------------------
     def add_problem(self, folder: Path) -> LoadedProblem:

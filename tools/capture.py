@@ -322,7 +322,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     outputs per workload, every parameter and buffer, and a tolerance per workload
     (`calibrated_tolerance` unless given). Integration runs candidates for it (the model with
     winners routed in, torch.compile of it) through the same trial path as any region."""
-    state = module_state(loaded.model)
+    state, versions = module_state(loaded.model), _versions(loaded.model)
     inputs, reference, workloads = [], [], []
     random = False
     with torch.no_grad():
@@ -366,7 +366,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(input_set))],
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
     model = loaded.model
-    if written := _state_written(model, state):  # the sandbox refuses a trial that writes them too
+    if written := _state_written(model, state, versions):  # the sandbox refuses a trial that writes them too
         raise ValueError(f"the model changes its own parameters or buffers in its forward ({', '.join(written[:3])}): "
                          "every call starts from another state, so it has no fixed answer to compare with")
     problem = Problem(
@@ -416,10 +416,13 @@ def calibrated_tolerance(model: torch.nn.Module, inputs: list, outputs: list, dt
     return Tolerance(kind=floor.kind, value=value), f"calibrated: twice today's error vs {against} ({error:.3g})"
 
 
-def _state_written(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
-    """Parameters and buffers of `module` that differ from `before` (its state before its calls)."""
+def _state_written(module: torch.nn.Module, before: dict[str, torch.Tensor],
+                   versions: dict[str, tuple[int, int]]) -> list[str]:
+    """Parameters and buffers of `module` that differ from `before` (its state before its calls);
+    only those written since (`_versions` then) are compared, so no weight leaves the device."""
     now = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
-    return [n for n, t in now.items() if n in before and not (
+    since = _versions(module)
+    return [n for n, t in now.items() if n in before and since.get(n) != versions.get(n) and not (
         t.shape == before[n].shape and torch.equal(t.detach().cpu(), before[n]))]
 
 
