@@ -282,8 +282,9 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
         err = math.inf if d is None or d.bad_nonfinite else d.error(scaled)
         if err > scaled.value:
             return Verdict(Status.hardcoded, f"within tolerance with the frozen parameters but error {err:.3g} with "
-                           "perturbed ones: the answer does not follow the module's parameters (one is ignored or "
-                           "assumed to be 1 or 0)", *_numbers(worst, worst_tol), fresh_error=fresh_err)
+                           "perturbed ones: the answer does not follow the module's parameters (one is ignored, "
+                           "assumed to be 1 or 0, or kept from an earlier call: they were changed in place, so key "
+                           "a derived copy on each tensor's _version)", *_numbers(worst, worst_tol), fresh_error=fresh_err)
     return Verdict(Status.ok, "within tolerance", *_numbers(worst, worst_tol), fresh_error=fresh_err, per_set=per_set)
 
 

@@ -83,12 +83,16 @@ def _nightshift_needs_grad(module, region, args, kwargs):
     return True
 
 
-def _nightshift_seen(module, region, verified):
+def _nightshift_seen(module, region, verified, compiling=False):
     """Whether this instance is like one its region's winner was verified on (decided on its
-    first call, kept on the instance)."""
-    known = module.__dict__.setdefault("_nightshift_verified", {})
+    first eager call, kept on the instance; an instance first met while traced keeps the original)."""
+    known = module.__dict__.get("_nightshift_verified")
+    if compiling:
+        return bool(known) and known.get(region, False)
+    if known is None:
+        known = module.__dict__["_nightshift_verified"] = {}
     if region not in known:
-        known[region] = _nightshift_torch.compiler.disable(_nightshift_fingerprint)(module) in verified
+        known[region] = _nightshift_fingerprint(module) in verified
     return known[region]
 
 
@@ -104,10 +108,11 @@ def _nightshift_route(cls, region, tuned):
         # Instances of subclasses were never verified, nor instances unlike the ones the run saw,
         # and the tuned kernels define no backward and were verified for inference only: those
         # calls keep the original forward.
-        if type(self) is not cls or _nightshift_needs_grad(self, region, args, kwargs) or (
-                verified is not None and not _nightshift_seen(self, region, verified)):
-            return original(self, *args, **kwargs)
         compiling = _nightshift_torch.compiler.is_compiling()
+        # Decided on eager calls (compile_model makes one first); traced, only what they decided is read.
+        if type(self) is not cls or (not compiling and _nightshift_needs_grad(self, region, args, kwargs)) or (
+                verified is not None and not _nightshift_seen(self, region, verified, compiling)):
+            return original(self, *args, **kwargs)
         if (compiling or _nightshift_recording) and check is not None and not check(args, kwargs):
             # No kernel of ours for this call: the compiler compiles the original itself.
             if compiling:

@@ -17,9 +17,12 @@ def _silu_mul(gu_ptr, out_ptr, n_inter, BLOCK: tl.constexpr):
 
 
 def forward(module, x):
-    w = getattr(module, "_ns_gate_up", None)
-    if w is None:  # derived once from the module's own weights; the weights are never changed
-        w = module._ns_gate_up = torch.cat([module.gate_proj.weight, module.up_proj.weight], 0).contiguous()
+    gate, up = module.gate_proj.weight, module.up_proj.weight
+    key = (gate.data_ptr(), gate._version, up.data_ptr(), up._version)
+    hit = getattr(module, "_ns_gate_up", None)
+    if hit is None or hit[0] != key:  # derived from the weights, again whenever one is written
+        hit = module._ns_gate_up = (key, torch.cat([gate, up], 0).contiguous())
+    w = hit[1]
     inter = module.gate_proj.weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
     gu = x2 @ w.t()
