@@ -110,14 +110,17 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
         t_wait = time.monotonic()
         r.step("waiting for the device")
         checks: list[Callable[[], None]] = []
-        with r.device_lock, r.quiet(), r.host_quiet.timing():
-            t0 = time.monotonic()  # a wait for a sibling's verification or timing is lock_wait, not timing
+        # The tuner's judges finish before the device lock is taken, never while it is held: a
+        # timing that waited for a judge under the lock held the GPU idle (about a third of a
+        # search's lock time on the H200, 2026-12-05).
+        with r.host_quiet.timing(), r.device_lock, r.quiet():
+            t0 = time.monotonic()  # a wait for a sibling's verification or timing, or a judge, is lock_wait
             r.phases["lock_wait"] = r.phases.get("lock_wait", 0.0) + t0 - t_wait
             r.step(f"timing {w.name}")  # nothing of a sibling worker runs beside a timing
             out.append(_workload(r, lp, i, w.name, budget_ms, checks))
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
-        # The spot checks' comparisons are the tuner's CPU work on outputs already in hand: off
-        # the device lock (another runner verifies or times meanwhile), never beside a timing.
+        # The spot checks' answers (the reference worker's, kept by seed) and comparisons: off the
+        # device lock (another runner verifies meanwhile), never beside a timing.
         if checks:
             t_check = time.monotonic()
             with r.host_quiet.busy():
@@ -235,8 +238,6 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
             with _phase(r, "time.spot"):
                 checks.append(_spot_check(r, lp, i, s, j))
             spotted = True
-        with _phase(r, "time.integrity"):
-            _tamper(r)
         if k == 0 or p.is_whole_model:
             # A/A across the two processes: the original in the candidate's worker. A whole model
             # gets one every round: its host-bound workloads move most from process to process.
@@ -245,6 +246,8 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
             aa.append(timing.stats(_samples(ctl)).median_ms / max(timing.stats(base_runs[-1]).median_ms, 1e-9))
         if last:
             break
+    with _phase(r, "time.integrity"):  # once per workload: a patch that outlives a batch is seen here
+        _tamper(r)
     base = timing.stats([x for run in base_runs for x in run])
     cnd = timing.stats([x for run in cand_runs for x in run])
     medians = [timing.stats(run).median_ms for run in base_runs]
@@ -367,8 +370,9 @@ def _abs_sum(leaves: list) -> float:
 def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> Callable[[], None]:
     """Repetition `j` of the last candidate run (drawn before it, never told to its worker)
     against the original's answer, kept by the reference worker from its run on the same inputs,
-    and against the checksum the run committed to when it replied. Both are fetched now, under
-    the device lock; the comparison that raises `Refused` is returned."""
+    and against the checksum the run committed to when it replied. The candidate's output is
+    fetched now, under the device lock, before its worker runs anything else; the original's
+    (trusted, kept by seed) and the comparison that raises `Refused` come once the lock is let go."""
     lim, p = r.limits, lp.problem
     kept = r.worker.request({"op": "kept", "indices": [j]}, timeout=lim.run_s)
     if not kept.ok:
@@ -381,9 +385,8 @@ def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -
     bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0], layouts[i] if i < len(layouts) else None)
     if bad:
         raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")
-    want = _answer(r, lp, i, s, j)
     claimed = (getattr(r, "last_checksums", None) or [None] * (j + 1))[j]
-    return lambda: _spot_compare(lp, i, j, s, got, want, claimed)
+    return lambda: _spot_compare(lp, i, j, s, got, _answer(r, lp, i, s, j), claimed)
 
 
 def _answer(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> list:

@@ -314,3 +314,39 @@ def test_a_waiting_timing_lets_no_new_judge_start():
     for th in (first, t, second):
         th.join(timeout=10)
     assert order == ["judge 1 starts", "judge 1 ends", "timing", "judge 2 starts", "judge 2 ends"], order
+
+
+def test_a_timing_waits_for_judges_before_it_takes_the_device_lock(monkeypatch):
+    """A timing that waited for the tuner's judges while holding the device lock kept the GPU
+    idle for every other runner (a third of a search's lock time on the H200): it waits first."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from sandbox import timed
+    from sandbox.device_lock import HostQuiet
+    lock, quiet = threading.Lock(), HostQuiet()
+    runner = SimpleNamespace(device_lock=lock, host_quiet=quiet, phases={}, step=lambda _: None,
+                             quiet=contextlib.nullcontext)
+    held_while_timing = []
+    monkeypatch.setattr(timed, "_workload",
+                        lambda r, lp, i, name, budget, checks: held_while_timing.append(lock.locked()) or name)
+    lp = SimpleNamespace(problem=SimpleNamespace(workloads=[SimpleNamespace(name="prefill")]))
+    judging, gpu_free = threading.Event(), []
+
+    def judge():
+        with quiet.busy():
+            judging.set()
+            time.sleep(0.4)  # the timing below is waiting by now
+            gpu_free.append(lock.acquire(blocking=False))
+            if gpu_free[-1]:
+                lock.release()
+    j = threading.Thread(target=judge)
+    j.start()
+    judging.wait()
+    timed_out: list = []
+    t = threading.Thread(target=lambda: timed_out.extend(timed.measure(runner, lp, 10.0)))
+    t.start()
+    for th in (j, t):
+        th.join(timeout=10)
+    assert gpu_free == [True]  # another runner could verify while this timing waited
+    assert held_while_timing == [True] and timed_out == ["prefill"]
