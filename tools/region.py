@@ -105,7 +105,7 @@ def build_region(model_file: str | Path, region_path: str, state: dict[str, torc
     model = None
     if on_meta:
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _AllOnMeta():
                 model = mod.Model(*init_inputs)
         except Exception:  # not buildable on meta: on the CPU below
             pass
@@ -126,6 +126,24 @@ def build_region(model_file: str | Path, region_path: str, state: dict[str, torc
     for name, value in state.items():
         _assign(region, name, value.to(device))
     return region.eval().requires_grad_(False)
+
+
+class _AllOnMeta(torch.overrides.TorchFunctionMode):
+    """Explicit devices made meta too while a model is built on meta: `nn.utils.skip_init` and
+    code like it name the CPU, and a value drawn there and copied into a meta weight failed the
+    meta build, so the whole model was built and initialised on the CPU in every worker (the
+    example's full preset: 15 s of each GPU worker's start). Code that needs real values at
+    construction still fails here and is built on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("device") is not None:
+            kwargs["device"] = "meta"
+        if func is torch.Tensor.to and args and getattr(args[0], "is_meta", False):
+            # a move of a meta tensor stays on meta; a dtype it names still applies
+            rest = [a for a in args[1:] if not isinstance(a, (str, torch.device))]
+            args = (args[0], *rest)
+        return func(*args, **kwargs)
 
 
 def _on_meta(m: torch.nn.Module) -> bool:
