@@ -19,6 +19,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from agent.flags import BASELINES, parse_compile_modes
 from agent.json_stdout import claim as _stdout_for_json, emit as _emit_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -74,6 +75,8 @@ def _validation_text(error: dict) -> str:
     return msg if field and msg.startswith(field) else f"{field}: {msg}"
 
 
+COMPILE_MODES_HELP = (f"The torch.compile modes to compare against ({', '.join(BASELINES)}; comma-separated, "
+                      "default all). max-autotune-no-cudagraphs alone compiles for minutes on a large model.")
 NO_JAIL_HELP = ("Run candidates without the sandbox's jail, with your user's rights (they can read your keys and "
                 "files): needed for code nightshift did not write (LLM or files planners, agent try) where no jail "
                 "can run; agent doctor says why none can.")
@@ -212,12 +215,14 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
                                         "end to end (--no-integrate skips it)."),
          baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines end to end "
                                                   "(default: on GPUs, not on the CPU)."),
+         compile_modes: Optional[str] = typer.Option(None, help=COMPILE_MODES_HELP),
          json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view."),
          no_jail: bool = typer.Option(False, "--no-jail", help=NO_JAIL_HELP)):
     """The main job: profile, freeze problems, search until the budget runs out, report. Progress
     goes to runs/<run>/log.txt, and to stdout: a live table on a terminal, one line per trial
     otherwise."""
     _no_jail(no_jail)
+    modes = parse_compile_modes(compile_modes)
     if resume is not None and model is None:  # its integration runs the winners of every earlier session's planners
         from agent.jobs import check_run_jail
         check_run_jail(resume)
@@ -227,7 +232,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
              "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd,
              "no_jail": no_jail or None}
     request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
-                          max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads)
+                          max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads,
+                          modes)
     _stdout_for_json(json_out)
     tty = sys.stdout.isatty()
     result = tune_session(request, say=(lambda text: None) if json_out else _say,
@@ -254,10 +260,12 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
                device: Optional[str] = typer.Option(None, help="cuda, cuda:N or cpu (default: the freeze device)."),
                baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines (default: on "
                                                         "GPUs, not on the CPU, where they are slow to compile)."),
+               compile_modes: Optional[str] = typer.Option(None, help=COMPILE_MODES_HELP),
                json_out: bool = typer.Option(False, "--json", help="integration.json on stdout."),
                no_jail: bool = typer.Option(False, "--no-jail", help=NO_JAIL_HELP)):
     """Apply the winners to the whole model, check it against the frozen model outputs, time it."""
     _no_jail(no_jail)
+    modes = parse_compile_modes(compile_modes)
     from agent.session import cuda_run
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
@@ -269,7 +277,7 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
     want = baselines if baselines is not None else (
         (device or "").startswith("cuda") or (not device and cuda_run(folder)))
     try:
-        result = integrate(folder, device, baselines=want)
+        result = integrate(folder, device, baselines=want, modes=modes)
     except IntegrationError as e:
         _fail(str(e), 1)
     if json_out:

@@ -13,6 +13,23 @@ from tools.problem import Tolerance
 from tools.runfolder import check_runs_dir
 
 
+BASELINES: dict[str, str | None] = {"torch.compile": None,
+                                    "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
+                                    "reduce-overhead": "reduce-overhead"}
+"""The compile baselines: name -> torch.compile mode (None: the default mode)."""
+
+
+def parse_compile_modes(text: str | None) -> list[str] | None:
+    """--compile-modes: names of BASELINES, comma-separated, or `all` (None: all)."""
+    if text is None or text.strip() == "all":
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in BASELINES for n in names):
+        raise UserError(f"--compile-modes {text!r}: name one or more of {', '.join(BASELINES)} (comma-separated), "
+                        "or all")
+    return [n for n in BASELINES if n in names]
+
+
 @dataclass
 class FreezeFlags:
     tolerance: Tolerance | None = None

@@ -120,6 +120,8 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
     # (with KV caches among the outputs, gigabytes per input set).
     draw = (seed(), seed())
     chosen = [name for name in BASELINES if modes is None or name in modes] if baselines else []
+    if baselines and (left := [name for name in BASELINES if name not in chosen]):
+        note(f"not compared against {', '.join(left)} (--compile-modes): the fastest way is named among the others")
     if dev.type == "cpu" and not baselines:
         note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
 

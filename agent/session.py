@@ -63,6 +63,8 @@ class TuneRequest:
     """--workloads TRACE.jsonl: the workload mix from a request trace (tools/traffic.py)."""
     trace_keep_own: bool = False
     """--model-workloads: with a trace, the model's own workloads too, at weight 0."""
+    compile_modes: list[str] | None = None
+    """--compile-modes: the compile baselines (and the ways with our kernels inside them); None: all."""
 
 
 @dataclass
@@ -241,7 +243,7 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                            "compiled side by side and timed one by one")
             integration = _integrate(run, settings.devices, req.baselines, note,
                                      lambda line: progress.write(f"integration: {line}"),
-                                     lambda f: setattr(progress, "in_flight", f), early)
+                                     lambda f: setattr(progress, "in_flight", f), early, req.compile_modes)
     except KeyboardInterrupt:
         interrupted = True
         note("integration interrupted: the search's results are kept; run agent integrate RUN later")
@@ -291,7 +293,7 @@ def _early_baselines(run: RunFolder, devices: str | None, req: TuneRequest, note
         return None
     from agent.early_baselines import EarlyBaselines
     try:
-        early = EarlyBaselines(run, device, on_step=on_step)
+        early = EarlyBaselines(run, device, modes=req.compile_modes, on_step=on_step)
     except (UserError, ProblemError, OSError) as e:
         note(f"compile baselines not started beside the search: {e}")
         return None
@@ -300,14 +302,15 @@ def _early_baselines(run: RunFolder, devices: str | None, req: TuneRequest, note
 
 
 def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note: Callable[[str], None],
-               on_step: Callable[[str], None] = lambda line: None, on_in_flight=lambda f: None, early=None):
+               on_step: Callable[[str], None] = lambda line: None, on_in_flight=lambda f: None, early=None,
+               modes: list[str] | None = None):
     """Integration after a search: the result, or one line saying why there is none (a search
     that found something must not end in a traceback because the end-to-end check could not run)."""
     from agent.integrate import IntegrationError, integrate
     device, _, want = _integration_device(run, devices, baselines)
     try:
         return integrate(run, device, baselines=want, on_step=on_step, on_in_flight=on_in_flight,
-                         early=early)  # its notes are part of the result
+                         early=early, modes=modes)  # its notes are part of the result
     except (IntegrationError, UserError, ProblemError) as e:
         note(f"integration: {e}")
         return f"not integrated: {e}"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent.errors import UserError
+from agent.flags import BASELINES
 from agent.jobs import resolve_device
 from agent.prompting import render_code
 from sandbox.pool import DevicePool
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
 
 LIMITS = Limits(compile_s=900, run_s=900, time_s=600)
 """A way of running the whole model may compile for minutes (max-autotune)."""
-BASELINES: dict[str, str | None] = {"torch.compile": None,
-                                    "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
-                                    "reduce-overhead": "reduce-overhead"}
-"""Baseline name -> torch.compile mode (None: the default mode)."""
 
 
 def composed_name(baseline: str) -> str:

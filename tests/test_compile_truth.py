@@ -124,6 +124,9 @@ def test_baselines_that_could_not_run_beside_the_search_are_run_by_integration(r
                        early=early, on_step=steps.append)
     assert any(s.startswith("torch.compile: ok") for s in steps), steps
     assert result.workloads[0].baselines["torch.compile"] is not None
+    # The modes left out are named, so the report's "fastest way" is read as among those compared.
+    assert any(n.startswith("not compared against max-autotune-no-cudagraphs, reduce-overhead (--compile-modes)")
+               for n in result.notes), result.notes
 
 
 def test_only_candidates_that_compile_are_probed_in_a_worker_where_dynamo_is_loaded(run):
