@@ -36,7 +36,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from tools import timing, verify
+from sandbox.spot import Refused, check as _spot_check, elements as _elements
+from tools import timing
 from tools.trial import Candidate, Status, Trial, WorkloadTiming
 
 if TYPE_CHECKING:
@@ -65,12 +66,6 @@ SPOT_CHANCE = 0.5
 last round whenever no earlier one was: a candidate can never tell whether the round it is in
 will be checked, every workload gets at least one check, and a trial pays for about half of the
 rounds' checks (on the H200 they were most of a full-size trial's timing: 4.4-5.2 s of 5.3-7.3 s)."""
-
-
-class Refused(Exception):
-    def __init__(self, trial_kind: str, reason: str, reply: "Reply | None" = None):
-        super().__init__(reason)
-        self.kind, self.reason, self.reply = trial_kind, reason, reply
 
 
 def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dict) -> Trial:
@@ -357,65 +352,6 @@ def _drained(rc: "Reply", rb: "Reply") -> bool:
     if not gc or not ge:
         return False
     return statistics.median(gc) > 1.5 * statistics.median(ge) + 0.005
-
-
-def _elements(lp: "LoadedProblem", i: int) -> int:
-    return max(1, sum(t.numel() for t in lp.reference[i]["outputs"] if t is not None))
-
-
-def _abs_sum(leaves: list) -> float:
-    return float(sum(t.double().abs().sum() for t in leaves if t is not None and t.numel()))
-
-
-def _spot_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> Callable[[], None]:
-    """Repetition `j` of the last candidate run (drawn before it, never told to its worker)
-    against the original's answer, kept by the reference worker from its run on the same inputs,
-    and against the checksum the run committed to when it replied. The candidate's output is
-    fetched now, under the device lock, before its worker runs anything else; the original's
-    (trusted, kept by seed) and the comparison that raises `Refused` come once the lock is let go."""
-    lim, p = r.limits, lp.problem
-    kept = r.worker.request({"op": "kept", "indices": [j]}, timeout=lim.run_s)
-    if not kept.ok:
-        raise Refused("crash", kept.error, kept)
-    got = ((kept.tensors or {}).get("outputs") or [None])[0]
-    meta = (kept.header.get("meta") or [None])[0]
-    if got is None or not isinstance(meta, dict):
-        raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: no output was kept for it")
-    layouts = (r.reference.problems[p.name].effects or {}).get("row_major") or []
-    bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0], layouts[i] if i < len(layouts) else None)
-    if bad:
-        raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")
-    claimed = (getattr(r, "last_checksums", None) or [None] * (j + 1))[j]
-    return lambda: _spot_compare(lp, i, j, s, got, _answer(r, lp, i, s, j), claimed)
-
-
-def _answer(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> list:
-    """The original's output on repetition `j`'s inputs: the one the reference worker kept from
-    its timed run, or (dropped there: another runner's timings on a lane without the lock came
-    between) computed again on the same draw."""
-    kept = r.reference.request({"op": "kept", "seed": s}, timeout=r.limits.run_s)
-    if kept.ok and (got := ((kept.tensors or {}).get("outputs") or [None])[0]) is not None:
-        return got
-    want = r.reference.request({"op": "refs", "problem": lp.problem.name,
-                                "fresh": [{"set": i, "seed": s + 1000003 * j}]}, timeout=r.limits.run_s)
-    if not want.ok:
-        raise Refused("lost", f"the reference worker failed: {want.error}", want)
-    return want.tensors["fresh"][0]
-
-
-def _spot_compare(lp: "LoadedProblem", i: int, j: int, s: int, got: Any, want: Any, claimed: float | None) -> None:
-    p = lp.problem
-    seen = float(timing.checksum(got, timing.checksum_period(_elements(lp, i), s, "cpu")))
-    # The slack for cancellation, a float64 pass over the outputs, is only summed when it is needed.
-    if claimed is None or not (math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3)
-                               or math.isclose(seen, claimed, rel_tol=1e-3, abs_tol=1e-3 + 1e-5 * _abs_sum(got))):
-        raise Refused("suspicious", f"timed repetition {j} on {p.workloads[i].name}: the output kept for it does not "
-                      "match the checksum the timed run reported (the run's outputs were not what was timed)")
-    err = verify.judge_outputs(p, i, got, want)
-    tol = p.tolerance_for(i)
-    if not err <= tol.value:
-        raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: error {err:.3g} > tolerance {tol} "
-                      "(it behaves differently when timed, or caches answers)")
 
 
 def _tamper(r: "TrialRunner") -> None:

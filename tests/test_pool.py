@@ -241,7 +241,7 @@ def test_no_judging_in_the_tuner_beside_a_timing(problem_dir, monkeypatch):
     """Judging a trial's outputs is the tuner's own CPU work, outside the device lock; beside
     another runner's timing of a host-bound model it took that worker's cores. Two runners of
     a locking pool, a judge slow enough to overlap: no judge runs while a timing does."""
-    from sandbox import timed
+    from sandbox import spot, timed
     spans: dict[str, list[tuple[float, float]]] = {"judge": [], "time": []}
     judge, workload = verify.judge, timed._workload
 
@@ -258,7 +258,7 @@ def test_no_judging_in_the_tuner_beside_a_timing(problem_dir, monkeypatch):
         spans["time"].append((t0, time.monotonic()))
         return out
     pool = DevicePool("cpu", [problem_dir], workers=2, limits=LIMITS, cpu_lock=True)
-    compare = timed._spot_compare
+    compare = spot.compare
 
     def spot_compare(*args, **kwargs):  # a spot check's comparison is judging too, off the lock
         t0 = time.monotonic()
@@ -267,7 +267,7 @@ def test_no_judging_in_the_tuner_beside_a_timing(problem_dir, monkeypatch):
         return out
     monkeypatch.setattr(verify, "judge", slow_judge)
     monkeypatch.setattr(timed, "_workload", recorded)
-    monkeypatch.setattr(timed, "_spot_compare", spot_compare)
+    monkeypatch.setattr(spot, "compare", spot_compare)
     trials = []
     try:
         lanes = [threading.Thread(target=lambda i=i: trials.extend(pool.run(candidate(variant=2 * i + k))
