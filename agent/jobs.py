@@ -19,7 +19,8 @@ from agent.errors import UserError
 from agent.flags import check_freeze_flags
 from sandbox.jail import refusal
 from sandbox.pool import DevicePool
-from tools.capture import MODEL_DIR, WHOLE_MODEL, RegionChoice, freeze, freeze_model
+from tools.capture import RegionChoice, freeze
+from tools.capture_model import MODEL_DIR, WHOLE_MODEL, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
 from tools.problem import Problem, StopRule

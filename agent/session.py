@@ -321,7 +321,7 @@ def cuda_run(run: RunFolder) -> bool:
     try:
         import torch
 
-        from tools.capture import MODEL_DIR
+        from tools.capture_model import MODEL_DIR
         from tools.problem import Problem
         return Problem.load(run.path / MODEL_DIR).device == "cuda" and torch.cuda.is_available()
     except Exception:

@@ -22,7 +22,7 @@ from agent.jobs import resolve_device
 from agent.prompting import render_code
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
-from tools.capture import MODEL_DIR, WHOLE_MODEL
+from tools.capture_model import MODEL_DIR, WHOLE_MODEL
 from tools.modelfile import file_sha256
 from tools.problem import Problem, ProblemError
 from tools.runfolder import RunFolder

@@ -26,7 +26,8 @@ def honest_rows(work: Path, device: str, limits, tiny: bool = False, only: list[
     import torch
     from sandbox.runner import TrialRunner
     from test_verdicts import CASES, MODELS, OWN, REWRITES
-    from tools.capture import RegionChoice, freeze, freeze_model
+    from tools.capture import RegionChoice, freeze
+    from tools.capture_model import freeze_model
     from tools.modelfile import load_model
     from tools.trial import Candidate
 

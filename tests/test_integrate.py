@@ -146,7 +146,7 @@ def test_the_whole_model_is_one_more_problem_on_the_same_trial_path(run):
 
 
 def test_model_problem_reloads_bit_identically_and_is_sealed(run, tmp_path):
-    from tools.capture import freeze_model
+    from tools.capture_model import freeze_model
     from tools.modelfile import load_model
     from tools.problem import Problem
     from tools.region import build_region, module_state
@@ -408,7 +408,7 @@ def test_each_shape_runs_the_candidate_that_was_fastest_on_it(run, tmp_path):
 
 
 def test_e2e_tolerance_is_calibrated_on_the_models_own_rounding_error():
-    from tools.capture import calibrated_tolerance
+    from tools.capture_model import calibrated_tolerance
     model = _DeepBF16().to(torch.bfloat16)
     x = torch.randn(8, 256).to(torch.bfloat16)
     with torch.no_grad():

@@ -254,6 +254,6 @@ def test_a_region_whose_calls_change_its_answer_is_skipped_and_eval_mode_is_said
     assert sorted(p.region_class for p in problems) == ["BatchNorm1d", "Cached"]
     bn = next(p for p in problems if p.region_class == "BatchNorm1d")
     assert any("frozen in eval mode" in n and "BatchNorm1d" in n for n in bn.notes), bn.notes
-    from tools.capture import freeze_model
+    from tools.capture_model import freeze_model
     with pytest.raises(ValueError, match="changes its own parameters or buffers in its forward"):
         freeze_model(loaded, tmp_path / "model", torch.device("cpu"))

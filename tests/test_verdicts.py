@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from sandbox.runner import Limits, TrialRunner
-from tools.capture import RegionChoice, freeze, freeze_model
+from tools.capture import RegionChoice, freeze
+from tools.capture_model import freeze_model
 from tools.modelfile import load_model
 from tools.trial import Candidate, Status
 
