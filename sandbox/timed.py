@@ -6,7 +6,7 @@ Per workload, under the device lock, with every sibling worker of the device sto
     for each round:
         the original, in the reference worker          -> its samples are trusted
         the candidate, in its worker, on the same fresh inputs; the tuner's own clock around it
-        spot check, in a round drawn AFTER it ran (SPOT_CHANCE, the last round if none yet): one
+        spot check, in a round drawn AFTER it ran (SPOT_CHANCE), and in the last round: one
             repetition, picked at random before the round and told to the reference worker only,
             its output, copied when it was timed, against the original's on the same inputs (kept
             by the reference worker from its run; the comparison itself runs after the workload,
@@ -62,10 +62,13 @@ CLEARLY_SLOWER = 0.5
 two (the fewest an A/A band is made of): more rounds would only narrow a band around a loss, and
 a night's search tries many such candidates. The whole model is always timed in full."""
 SPOT_CHANCE = 0.5
-"""Each round of a workload is spot-checked with this chance, drawn after the round ran, and the
-last round whenever no earlier one was: a candidate can never tell whether the round it is in
-will be checked, every workload gets at least one check, and a trial pays for about half of the
-rounds' checks (on the H200 they were most of a full-size trial's timing: 4.4-5.2 s of 5.3-7.3 s)."""
+"""Each round of a workload but its last is spot-checked with this chance, drawn after the round
+ran; the last round always is: a candidate cannot tell whether an earlier round is checked, and
+one that turns on only after many calls is in its last round at the latest (one right for its
+first 20 calls escaped once when the last round was checked only where no earlier one was: a few
+repetitions a round, its honest first round drawn, no other).
+A trial pays for half the earlier rounds' checks (on the H200 the checks were once most of a
+full-size trial's timing: 4.4-5.2 s of 5.3-7.3 s)."""
 
 
 def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dict) -> Trial:
@@ -209,7 +212,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     cand_runs: list[list[float]] = []
     parent: list[float] = []
     aa: list[float] = []
-    spot, spotted = random.SystemRandom(), False
+    spot = random.SystemRandom()
     for k in range(rounds):
         s = seed()
         req = {"set": i, "seed": s, "reps": reps, "key_len": n, "lead_cycles": lead * cycles}
@@ -229,10 +232,9 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
         cand_runs.append(samples)
         parent.append(per_call)
         last = k == rounds - 1 or (k == 1 and not p.is_whole_model and _clearly_slower(base_runs, cand_runs))
-        if spot.random() < SPOT_CHANCE or (last and not spotted):
+        if last or spot.random() < SPOT_CHANCE:
             with _phase(r, "time.spot"):
                 checks.append(_spot_check(r, lp, i, s, j))
-            spotted = True
         if k == 0 or p.is_whole_model:
             # A/A across the two processes: the original in the candidate's worker. A whole model
             # gets one every round: its host-bound workloads move most from process to process.

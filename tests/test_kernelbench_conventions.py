@@ -16,7 +16,8 @@ import textwrap
 import torch
 
 from sandbox.runner import Limits, TrialRunner
-from tools.capture import RegionChoice, freeze, freeze_model
+from tools.capture import RegionChoice, freeze
+from tools.capture_model import freeze_model
 from tools.modelfile import load_model
 from tools.region import build_region, module_state
 from tools.trial import Candidate, Status
@@ -178,12 +179,14 @@ def get_init_inputs():
 def get_inputs():
     return [torch.rand(8, 64, 32)]
 """
-# Off by one index where the maximum sits in the last row: integer outputs are judged exactly.
+# Off by one index where the maximum sits in the upper half: integer outputs are judged exactly.
+# (Only in the last row, one of 64, it missed every one of the frozen input's 256 rows once in
+# about fifty draws, and read `hardcoded`: wrong on fresh inputs only.)
 OFF_BY_ONE = """import torch
 
 def forward(module, x):
     out = torch.argmax(x, dim=module.dim)
-    return torch.where(out == x.shape[module.dim] - 1, out - 1, out)
+    return torch.where(out >= x.shape[module.dim] // 2, out - 1, out)
 """
 AS_FLOAT = """import torch
 

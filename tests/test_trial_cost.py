@@ -168,6 +168,46 @@ def test_every_workload_is_spot_checked_and_not_every_round(frozen_run, monkeypa
     assert sum(map(len, per_trial)) < 3 * 3 * n  # not every round of every workload
 
 
+def test_the_last_round_is_always_spot_checked(frozen_run, monkeypatch):
+    """A round drawn for a check does not spare the last: a candidate that turns on only after
+    many calls is there at the latest (tests/candidates/adversarial/timed_call_counter.py escaped
+    once when only its honest first round was drawn)."""
+    import random
+    from sandbox import timed
+    from sandbox.runner import Limits, TrialRunner
+    from tools.trial import Candidate, Status
+
+    class FirstRoundOnly(random.Random):  # one per workload: its first round drawn, no other
+        def __init__(self):
+            super().__init__(0)
+            self.draws = 0
+
+        def random(self):
+            self.draws += 1
+            return 0.0 if self.draws == 1 else 0.99
+
+        def getrandbits(self, k):  # defined here, or randrange would draw through random()
+            return super().getrandbits(k)
+    checked: list[int] = []
+    original = timed._spot_check
+
+    def counting(r, lp, i, s, j):
+        checked.append(i)
+        return original(r, lp, i, s, j)
+    monkeypatch.setattr(timed, "_spot_check", counting)
+    monkeypatch.setattr(random, "SystemRandom", FirstRoundOnly)
+    own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
+    r = TrialRunner("cpu", Limits(compile_s=60, run_s=30, time_s=60, budget_ms=20, max_reps=3, rounds=3))
+    try:
+        r.add_problem(frozen_run / "LlamaRMSNorm")
+        n = len(r.problems["LlamaRMSNorm"].problem.workloads)
+        trial = r.run(Candidate(region="LlamaRMSNorm", source=own, planner="manual"))
+    finally:
+        r.close()
+    assert trial.status is Status.ok, trial.reason
+    assert sorted(checked) == sorted(list(range(n)) * 2), checked  # the first round and the last, each workload
+
+
 @pytest.mark.parametrize("dropped", [False, True])
 def test_a_spot_checks_answer_is_the_one_the_reference_kept_from_its_timed_run(frozen_run, dropped, monkeypatch):
     """The original is not run again for a spot check: the reference worker keeps the answer of
