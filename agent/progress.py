@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from agent.history import History
-from agent.view import budget_line, progress_rows, progress_table
+from agent.view import budget_line, progress_rows, progress_table, times
 from tools.problem import Problem
 from tools.trial import Trial
 
@@ -65,12 +65,12 @@ class Progress:
         bests = []
         for p in self.problems:
             rec = self.history.best(p.name)
-            bests.append(f"{p.name} {rec.score(self.history.targets(p.name)):.2f}x" if rec else f"{p.name} -")
+            bests.append(f"{p.name} {times(rec.score(self.history.targets(p.name)))}" if rec else f"{p.name} -")
         return f"{len(self.history.trials)} trials, {passed} passed · best {', '.join(bests)} · {self.budget_text()}"
 
     def trial_line(self, trial: Trial) -> str:
         if trial.status.value == "ok":
-            what = f"ok {trial.speedup:.2f}x" if trial.speedup else "ok"
+            what = f"ok {times(trial.speedup)}" if trial.speedup else "ok"
             what += " (CPU timing)" if self.kind == "cpu" else ""
         else:
             what = f"{trial.status.value}: {trial.reason[:120]}"

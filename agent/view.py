@@ -10,6 +10,12 @@ from agent.history import History
 from tools.problem import Problem
 
 
+def times(x: float) -> str:
+    """A speedup as read: two decimals, or two significant digits below 0.01x (a Triton kernel
+    under the CPU interpreter reads 0.004x, never "0.00x")."""
+    return f"{x:.2g}x" if 0 < x < 0.01 else f"{x:.2f}x"
+
+
 def progress_rows(problems: list[Problem], history: History) -> list[dict]:
     rows = []
     for p in problems:
@@ -34,9 +40,9 @@ def progress_table(rows: list[dict], timing_kind: str, budget_line: str) -> Tabl
     for col in ("region", "trials", "passing", "kept", "best speedup", "error / tolerance", "from", "rejected"):
         table.add_column(col, justify="right" if col in ("trials", "passing", "kept", "best speedup") else "left")
     for r in rows:
-        best = f"{r['best_speedup']:.2f}x" if r["best_speedup"] else "-"
+        best = times(r['best_speedup']) if r["best_speedup"] else "-"
         if len(r["best_by_generation"]) > 1:
-            best += " (" + ", ".join(f"{g} {s:.2f}x" for g, s in sorted(r["best_by_generation"].items())) + ")"
+            best += " (" + ", ".join(f"{g} {times(s)}" for g, s in sorted(r["best_by_generation"].items())) + ")"
         err = f"{r['best_error']:.2g} / {r['tolerance']}" if r["best_error"] is not None else f"- / {r['tolerance']}"
         rejected = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items(), key=lambda kv: -kv[1])[:3])
         table.add_row(r["region"], str(r["trials"]), str(r["passing"]), str(r["kept"]), best, err,
@@ -89,9 +95,9 @@ def trial_lines(trial) -> list[str]:
     for t in trial.timings:
         label = "CPU timing" if t.timing_kind == "cpu" else "GPU timing"
         lines.append(f"  {t.workload}: baseline {t.baseline_ms:.4f} ms, candidate {t.candidate_ms:.4f} ms, "
-                     f"{t.speedup:.2f}x ({label}, spread {t.candidate_spread:.1%}, {t.reps} reps)")
+                     f"{times(t.speedup)} ({label}, spread {t.candidate_spread:.1%}, {t.reps} reps)")
     if trial.speedup:
-        lines.append(f"weighted speedup {trial.speedup:.2f}x" + (" (CPU timing)" if trial.device == "cpu" else ""))
+        lines.append(f"weighted speedup {times(trial.speedup)}" + (" (CPU timing)" if trial.device == "cpu" else ""))
     lines += [f"flag: {f}" for f in trial.flags]
     if trial.error_text and trial.status.value != "ok":
         lines.append(trial.error_text[-1500:])
