@@ -300,3 +300,29 @@ def test_a_short_night_tries_every_region_first(tmp_path):
     outcome, _, _ = run_fake(tmp_path, Batch(), lanes, StopRule(max_candidates=3, patience=1000), problems)
     assert outcome.trials_run == 3
     assert sorted(note.split()[0] for note, _, _ in lanes.log) == ["Attention", "MLP", "Norm"], lanes.log
+
+
+# -- bindings that only swap tensors between roles ---------------------------------------------
+@pytest.mark.parametrize("named_order_right", [True, False])
+def test_a_swapped_binding_is_tried_only_once_the_named_one_computed_another_function(tmp_path, frozen_run,
+                                                                                       named_order_right):
+    """The KV-cache attention templates bind K and V projections of one shape in both orders. The
+    order the names give is tried first; the swap only where that one proved wrong (on the H200
+    the swap was two of a short tune's five trials, both `wrong`)."""
+    from agent.planners.template import TemplatePlanner
+    attention = Problem.load(frozen_run / "LlamaAttention")
+
+    def right(c: Candidate) -> bool:
+        named = c.params["binding"].get("k_w", "k").startswith("k")
+        return named == named_order_right
+    lanes = FakeLanes(2, outcome=lambda c: (Status.ok, 1.1) if right(c) else (Status.wrong, None))
+    outcome, _, history = run_fake(tmp_path, TemplatePlanner(), lanes, StopRule(max_candidates=60, patience=5000),
+                                   problems=[attention])
+    kv = [r for r in history.records.values() if "k_w" in r.params.get("binding", {})]
+    assert kv, "no KV-cache attention template applies to the example's attention"
+    swapped = [r for r in kv if not r.params["binding"]["k_w"].startswith("k")]
+    if named_order_right:
+        assert not swapped, [r.template for r in swapped]
+    else:  # the named order is wrong for each template: its swap is tried, and then searched
+        assert {r.template for r in swapped} == {r.template for r in kv}
+        assert all(r.params["binding"]["k_w"].startswith("k") for r in kv if r.failed() is not None)

@@ -37,6 +37,14 @@ def _arm(template: str, binding: dict) -> str:
     return template + json.dumps(binding, sort_keys=True, default=str)
 
 
+def _swapped(a: dict, b: dict) -> bool:
+    """Two bindings with the same roles and the same tensors, some of them in other roles."""
+    if a == b or a.keys() != b.keys():
+        return False
+    differ = [k for k in a if a[k] != b[k]]
+    return sorted(map(str, (a[k] for k in differ))) == sorted(map(str, (b[k] for k in differ)))
+
+
 class TemplatePlanner:
     name = "template"
 
@@ -59,10 +67,12 @@ class TemplatePlanner:
                 out[c.hash] = c
         offer.seen = out
 
-        for t, b in arms.values():  # exploration: every fitting template and binding, default point
+        waiting = self._alternates_waiting(problem, history, arms)
+        for a, (t, b) in arms.items():  # exploration: every fitting template and binding, default point
             if len(out) >= n:
                 break
-            offer(self.candidate(problem, t, b, default_params(t)))
+            if a not in waiting:
+                offer(self.candidate(problem, t, b, default_params(t)))
         self._retune_llm_kernels(problem, history, rng, (n - len(out) + 1) // 2, offer)
         records = self._records(problem, history, arms)
         judged = {self._arm_of(r) for r in records if self._finished(history, r)}
@@ -135,12 +145,29 @@ class TemplatePlanner:
         return tried, size
 
     def _live(self, problem: Problem, history: History, arms: dict) -> list[str]:
-        """Arms not shown to compute another function (a kept candidate outweighs a failure)."""
+        """Arms not shown to compute another function (a kept candidate outweighs a failure), but
+        swaps of an earlier arm's tensors still waiting on it."""
         records = self._records(problem, history, arms)
         gens = history.targets(problem.name)
         kept = {self._arm_of(r) for r in records if r.kept(gens)}
         dead = {self._arm_of(r) for r in records if (f := r.failed()) is not None and f.status in DEAD} - kept
-        return [a for a in arms if a not in dead]
+        waiting = self._alternates_waiting(problem, history, arms)
+        return [a for a in arms if a not in dead and a not in waiting]
+
+    def _alternates_waiting(self, problem: Problem, history: History, arms: dict) -> set[str]:
+        """Arms that only swap an earlier arm's tensors between roles (a K and a V projection of
+        the same shape): tried once every earlier such arm of the template computed another
+        function. Where one passed, its swaps compute another function unless the swapped
+        tensors are equal (each cost the H200's short tunes one trial in five, `wrong`)."""
+        records = self._records(problem, history, arms)
+        dead = {self._arm_of(r) for r in records if (f := r.failed()) is not None and f.status in DEAD}
+        waiting, order = set(), list(arms)
+        for i, a in enumerate(order):
+            t, b = arms[a]
+            earlier = [e for e in order[:i] if arms[e][0].name == t.name and _swapped(arms[e][1], b)]
+            if any(e not in dead for e in earlier):
+                waiting.add(a)
+        return waiting
 
     def _records(self, problem: Problem, history: History, arms: dict) -> list[CandidateRecord]:
         return [r for r in history.region_records(problem.name) if r.template in TEMPLATES
