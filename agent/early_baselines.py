@@ -25,8 +25,8 @@ class EarlyBaselines:
                  on_step: Callable[[str], None] = lambda line: None, memory_gb: float = 8.0):
         """`modes`: names of ways.BASELINES (None: all). Checks the run's whole-model
         problem now (a UserError as integration would raise); starts nothing until `start`."""
-        _, folder, _, self.device = whole_model(run, device)
-        self.ways = baseline_ways(modes)
+        model, folder, _, self.device = whole_model(run, device)
+        self.ways = baseline_ways(modes, model.seeded_calls)
         self.on_step = on_step
         self.pool = DevicePool(self.device, [folder], limits=LIMITS, memory_gb=memory_gb, cpu_lock=True)
         self.trials: dict[str, Trial] = {}

@@ -124,10 +124,14 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         note(f"not compared against {', '.join(left)} (--compile-modes): the fastest way is named among the others")
     if dev.type == "cpu" and not baselines:
         note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
+    if model.seeded_calls and chosen:
+        note("the model draws random numbers, so every compiled way ran with Inductor's fallback_random "
+             "(torch's own random numbers, checkable against the frozen outputs); a user's torch.compile "
+             "draws Inductor's, which may be faster")
 
     def every_way(accepted: list[tuple[Problem, CandidateRecord, str]]) -> list[tuple[str, Candidate]]:
         return ways_of(accepted, graphed=dev.type == "cuda" and cuda_graphs, baselines=chosen if early is None else [],
-                       composed=chosen, on_step=on_step)
+                       composed=chosen, on_step=on_step, eager_rng=model.seeded_calls)
 
     try:
         # Every region's best winner at once first: every way of running the model, each in a
@@ -157,7 +161,7 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         if chosen and early is not None:  # started beside the search: waited for only now
             trials.update({n: t for n, t in early.result(on_in_flight).items() if n in chosen})
             on_in_flight(pool.in_flight)
-            if missing := [w for w in baseline_ways(chosen) if w[0] not in trials]:
+            if missing := [w for w in baseline_ways(chosen, model.seeded_calls) if w[0] not in trials]:
                 trials.update(side_by_side(pool, missing, on_step, draw))
         final = trials["tuned"]
         if final.status.value != "ok":

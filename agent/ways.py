@@ -61,10 +61,11 @@ def graphed_candidate(routes: list[tuple[Problem, str]]) -> Candidate:
                                         for p, src in routes}, "cuda_graph": True})
 
 
-def composed_candidate(routes: list[tuple[Problem, str]], mode: str | None) -> Candidate:
+def composed_candidate(routes: list[tuple[Problem, str]], mode: str | None, eager_rng: bool = False) -> Candidate:
     """The routed model under torch.compile: each winner an opaque custom op the compiler fuses
-    around (and, with reduce-overhead, captures in its CUDA graphs)."""
-    source = render_code("kernels/route_model_compiled.py.j2", mode=mode,
+    around (and, with reduce-overhead, captures in its CUDA graphs). `eager_rng`: the model
+    draws random numbers (compiled with fallback_random, so they are torch's)."""
+    source = render_code("kernels/route_model_compiled.py.j2", mode=mode, eager_rng=eager_rng,
                          routes=[{"cls": p.region_class, "source": src} for p, src in routes])
     return Candidate(region="model", source=source, planner="integrate", template="torch_compile",
                      params={"routes": {p.region_class: hashlib.sha256(src.encode()).hexdigest()[:16]
@@ -72,10 +73,11 @@ def composed_candidate(routes: list[tuple[Problem, str]], mode: str | None) -> C
 
 
 def ways_of(accepted: list[tuple[Problem, CandidateRecord, str]], graphed: bool, baselines: list[str],
-            composed: list[str], on_step: Callable[[str], None] = lambda line: None) -> list[tuple[str, Candidate]]:
+            composed: list[str], on_step: Callable[[str], None] = lambda line: None,
+            eager_rng: bool = False) -> list[tuple[str, Candidate]]:
     """The ways of running the model with the accepted (region problem, record, source) winners:
     the tuned model, its CUDA-graph capture (`graphed`), the compile `baselines` named and
-    each `composed` mode with our kernels inside."""
+    each `composed` mode with our kernels inside (`eager_rng`: see compile_candidate)."""
     routes = [(q, s) for q, _, s in accepted]
     ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
     # A winner that is torch.compile of its region is not nested in another capture or compile
@@ -88,15 +90,19 @@ def ways_of(accepted: list[tuple[Problem, CandidateRecord, str]], graphed: bool,
                 "compiled ways the region's own code runs")
     if graphed and kernels:  # the integration step for launch-bound workloads
         ways.append(("graphed", graphed_candidate(kernels)))
-    ways += baseline_ways(baselines)
+    ways += baseline_ways(baselines, eager_rng)
     if kernels:  # our kernels inside the compiled model, the way a torch.compile user runs it
-        ways += [(composed_name(name), composed_candidate(kernels, BASELINES[name])) for name in composed]
+        ways += [(composed_name(name), composed_candidate(kernels, BASELINES[name], eager_rng)) for name in composed]
     return ways
 
 
-def compile_candidate(mode: str | None) -> Candidate:
-    return Candidate(region="model", source=render_code("kernels/torch_compile.py.j2", mode=mode, options={}),
-                     planner="torch.compile", template="torch_compile", params={"mode": mode})
+def compile_candidate(mode: str | None, eager_rng: bool = False) -> Candidate:
+    """torch.compile of the untouched model in `mode`. `eager_rng`: the model draws random numbers
+    (its whole-model problem is `seeded_calls`); Inductor's own generator would draw other ones
+    and fail the check, so it compiles with fallback_random (integration says so)."""
+    source = render_code("kernels/torch_compile.py.j2", mode=mode, options={}, eager_rng=eager_rng)
+    return Candidate(region="model", source=source, planner="torch.compile", template="torch_compile",
+                     params={"mode": mode, **({"eager_rng": True} if eager_rng else {})})
 
 
 class NoWholeModel(UserError):
@@ -121,9 +127,10 @@ def whole_model(run: RunFolder, device: str | None) -> tuple[Problem, Path, torc
     return model, folder, dev, "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
 
 
-def baseline_ways(modes: list[str] | None) -> list[tuple[str, Candidate]]:
+def baseline_ways(modes: list[str] | None, eager_rng: bool = False) -> list[tuple[str, Candidate]]:
     """torch.compile of the untouched model in each chosen mode (names of BASELINES; None: all)."""
-    return [(name, compile_candidate(mode)) for name, mode in BASELINES.items() if modes is None or name in modes]
+    return [(name, compile_candidate(mode, eager_rng)) for name, mode in BASELINES.items()
+            if modes is None or name in modes]
 
 
 PARALLEL_LOADS = 8

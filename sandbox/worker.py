@@ -119,7 +119,7 @@ class Worker:
         os.environ.update(isolation.model_settings(req.get("env") or {}))
         t1 = time.perf_counter()
         model_copy = self._model_copy(req["model_file"], model_source)
-        import_model_file(model_copy)  # once per model file; timed apart from the build
+        import_model_file(model_copy, origin=req["model_file"])  # once per model file; timed apart from the build
         t2 = time.perf_counter()
         region = build_region(model_copy, req["region_path"], state, self.device, on_meta=bool(req.get("meta", True)))
         del state

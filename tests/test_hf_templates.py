@@ -191,3 +191,45 @@ def test_a_traced_layer_norm_binds_its_weight_and_bias_as_called(regions):
     problems, _ = regions
     bound = [(b["weight"], b["bias"]) for t, b in applicable(problems[("hf_gpt2", "LayerNorm")]) if t.name == "layernorm"]
     assert bound and set(bound) == {("weight", "bias")}, bound
+
+
+DICT_INPUT = '''
+import torch
+from torch import nn
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, feats, extras):
+        return self.out(self.proj(feats["a"]) + feats["b"] + sum(extras))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = Mixer()
+
+    def forward(self, feats, extras):
+        return self.mix(feats, extras)
+
+
+def get_inputs():
+    return [{"a": torch.randn(32, 64), "b": torch.randn(32, 64)}, [torch.randn(32, 64)]]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_no_template_binds_a_region_whose_arguments_hold_no_tensor_of_their_own(tmp_path):
+    """Two chained projections (an MLP to the trace) whose input is a dict of tensors: every
+    template reads its main input as a tensor, so each candidate raised on the dict (two of four
+    trials of a CPU tune of such a model)."""
+    problem = _freeze_one(tmp_path, DICT_INPUT, "Mixer")
+    assert len((problem.graph or {}).get("matmuls") or []) == 2, problem.graph
+    assert applicable(problem) == []

@@ -2,7 +2,9 @@
 
 - a forward that draws random numbers (level 3's LSTM draws its initial state with
   torch.randn): frozen `seeded_calls`, every call of it seeded alike, so the region's own
-  forward passes and a candidate that draws other numbers is rejected, end to end too;
+  forward passes and a candidate that draws other numbers is rejected, end to end too; the
+  compiler's candidates and compile baselines draw torch's numbers (fallback_random) and pass;
+- a model that reads a file beside its own (a config) when it is built: built in the sandbox too;
 - tensors held as plain attributes (the RNNs' hidden state), which a model built on the meta
   device would leave without data;
 - a chosen region that cannot be frozen: its parts, passed over as overlapping it, are
@@ -20,6 +22,8 @@ from tools.capture import RegionChoice, freeze
 from tools.capture_model import freeze_model
 from tools.modelfile import load_model
 from tools.region import build_region, module_state
+from agent.planners.compiler import CompilerPlanner
+from agent.ways import compile_candidate
 from tools.trial import Candidate, Status
 
 DRAWS = """
@@ -83,6 +87,61 @@ def test_a_forward_that_draws_random_numbers_is_called_seeded_and_judged(tmp_pat
     for region, ok, other in zip(regions, trials[::2], trials[1::2]):
         assert ok.status is Status.ok, (region, ok.status, ok.reason, ok.error_text[-600:])
         assert other.status is not Status.ok, (region, other.status, other.reason)
+
+
+def test_the_compilers_candidates_draw_the_originals_random_numbers(tmp_path):
+    """torch.compile with Inductor's own generator draws other numbers than the eager original
+    seeded alike: every compiler candidate and every compile baseline of such a model was `wrong`
+    (a CPU tune and integration of a sampling model, 2026-12-05). With fallback_random they pass."""
+    loaded = load_model(_write(tmp_path, "draws.py", DRAWS), "cpu")
+    (problem,), _ = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
+    ours = CompilerPlanner().candidate(problem, None, {})
+    assert ours.params.get("eager_rng") is True
+    plain = compile_candidate(None)
+    trials = _judged([tmp_path / "problems" / problem.name, tmp_path / "model"],
+                     (problem.name, ours.source), ("model", compile_candidate(None, eager_rng=True).source),
+                     ("model", plain.source))
+    for t in trials[:2]:
+        assert t.status is Status.ok, (t.status, t.reason, t.error_text[-600:])
+    assert trials[2].status is Status.wrong, (trials[2].status, trials[2].reason)
+
+
+READS_BESIDE = """
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONFIG = json.loads(Path(__file__).with_name("beside.json").read_text())
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(CONFIG["width"], CONFIG["width"])
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) * CONFIG["scale"]
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(4, 24)]
+"""
+
+
+def test_a_model_that_reads_a_file_beside_its_own_is_built_in_the_sandbox(tmp_path):
+    """The worker imports a copy of the model file, pinned to the frozen bytes; its `__file__` is
+    the original's, so a config beside it is found (every trial was `lost` before)."""
+    src = tmp_path / "src"  # the model's folder, beside the run's (which the jail hides)
+    src.mkdir()
+    (src / "beside.json").write_text('{"width": 24, "scale": 0.5}')
+    loaded = load_model(_write(src, "beside.py", READS_BESIDE), "cpu")
+    (problem,), _ = freeze(loaded, [RegionChoice("Model")], tmp_path / "run" / "problems", torch.device("cpu"))
+    (ok,) = _judged([tmp_path / "run" / "problems" / problem.name], (problem.name, OWN))
+    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
 
 
 HOLDS = """

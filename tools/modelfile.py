@@ -157,7 +157,9 @@ def check_model_path(path: str | Path) -> Path:
     return path
 
 
-def import_model_file(path: str | Path) -> ModuleType:
+def import_model_file(path: str | Path, origin: str | Path | None = None) -> ModuleType:
+    """`origin`: where the file at `path` (a copy) came from; its `__file__` says so, so a model
+    reading files beside its own (a config, a vocabulary) finds them in a sandbox worker too."""
     import torch  # here, not at the top: the CLI names a bad flag or a missing file without torch
     path = check_model_path(path)
     name = module_name_for(path)
@@ -165,6 +167,8 @@ def import_model_file(path: str | Path) -> ModuleType:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    if origin is not None:
+        module.__file__ = str(origin)
     # Registered before exec so classes pickle and dataclasses resolve their module.
     sys.modules[name] = module
     try:

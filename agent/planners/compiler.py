@@ -68,9 +68,12 @@ class CompilerPlanner:
         return len(tried), self.space_size(problem)
 
     def candidate(self, problem: Problem, mode: str | None, options: dict, parents: list[str] = ()) -> Candidate:
+        # A region drawing random numbers is checked seeded alike: Inductor's generator would fail
+        # every check there, so its candidates draw torch's numbers (fallback_random).
+        seeded = {"eager_rng": True} if problem.seeded_calls else {}
         return Candidate(region=problem.name, planner=self.name, template="torch_compile",
-                         source=render_code("kernels/torch_compile.py.j2", mode=mode, options=options),
-                         params={"mode": mode, "options": options}, parents=list(parents))
+                         source=render_code("kernels/torch_compile.py.j2", mode=mode, options=options, **seeded),
+                         params={"mode": mode, "options": options, **seeded}, parents=list(parents))
 
     def propose(self, problem: Problem, history: History, n: int) -> list[Candidate]:
         rng = random.Random(f"{self.seed}/{problem.name}/{len(history.trials)}")

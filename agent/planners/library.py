@@ -49,6 +49,8 @@ class KernelTemplate:
         if problem.inplace_inputs and self.name not in PHASE:
             return []  # a region writing a KV cache: only the templates that write it can compute it
         call = traced.call_vars(problem)
+        if call is None:
+            return []
         return [{**call, **self.fixed, **b} for b in self.rule(problem)]
 
     def sample(self, rng: random.Random) -> dict:

@@ -15,15 +15,19 @@ GENERIC = {"signature": "x, *args, **kwargs", "x": "x", "guards": []}
 RESERVED = {"module", "torch", "F", "triton", "tl", "math", "x"}
 
 
-def call_vars(problem: Problem) -> dict:
+def call_vars(problem: Problem) -> dict | None:
     """How a candidate's forward is declared: the region's own signature (so the model's real
     call reaches it, keywords included), the expression of its main input, and the arguments
-    that were None or a bool when it was frozen (the candidate refuses other values)."""
+    that were None or a bool when it was frozen (the candidate refuses other values). None where
+    the region takes no floating tensor as an argument at all (a dict of them, a list): every
+    kernel template reads its main input as one."""
     g = problem.graph or {}
     params = g.get("signature") or []
     names = [p["name"] for p in params]
     main = next((i["expr"] for i in g.get("inputs", []) if i.get("kind") == "tensor"
                  and i.get("dtype", "").startswith(("float", "bfloat"))), None)
+    if main is None and g.get("inputs"):
+        return None
     if not params or main is None or any(n in RESERVED - {"x"} or n.startswith("_") for n in names):
         return dict(GENERIC)
     guards = [[n, v] for n, v in (g.get("literals") or {}).items() if n in names]
@@ -98,7 +102,7 @@ def attention(problem: Problem) -> list[dict]:
         "returns": g.get("returns", "T"),
         "head_dim": hd, "num_heads": q_out // hd, "num_kv_heads": kv_out // hd}
     if mask:  # a mask argument the trace saw: the template passes it on, so no guard on it
-        binding["guards"] = [gd for gd in call_vars(problem)["guards"] if gd[0] != mask]
+        binding["guards"] = [gd for gd in (call_vars(problem) or GENERIC)["guards"] if gd[0] != mask]
     # transformers passes is_causal=False for one query; a traced decode call cannot tell.
     causal = [binding["causal"]] if binding["causal"] or mask or problem.attributes.get("is_causal") is False \
         else [True, False] if problem.attributes.get("is_causal") is not True else [True]
