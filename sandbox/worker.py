@@ -295,7 +295,7 @@ class Worker:
     # -- helpers ---------------------------------------------------------------------------
     def _model_copy(self, original: str, source: bytes) -> str:
         """The model file as the tuner sent it, written into this worker's own folder (its folder
-        may not be readable here); the original folder, where visible, serves sibling imports."""
+        may not be readable here; where it is, it serves sibling imports: import_model_file)."""
         import hashlib
         folder = os.path.join(self.workdir, "model-" + hashlib.sha256(source).hexdigest()[:16])
         os.makedirs(folder, exist_ok=True)
@@ -304,9 +304,6 @@ class Worker:
             with open(path + ".tmp", "wb") as f:
                 f.write(source)
             os.replace(path + ".tmp", path)
-        parent = os.path.dirname(original)  # the model file's own folder, where visible, serves its siblings
-        if os.access(parent, os.R_OK | os.X_OK) and parent not in sys.path:
-            sys.path.append(parent)
         return path
 
     def _loaded(self) -> tuple[dict, dict]:

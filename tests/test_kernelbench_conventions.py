@@ -4,7 +4,10 @@
   torch.randn): frozen `seeded_calls`, every call of it seeded alike, so the region's own
   forward passes and a candidate that draws other numbers is rejected, end to end too; the
   compiler's candidates and compile baselines draw torch's numbers (fallback_random) and pass;
-- a model that reads a file beside its own (a config) when it is built: built in the sandbox too;
+- a model that reads a file beside its own (a config) when it is built, or imports one (its
+  layers): built in the tuner and in the sandbox alike;
+- a region torch's fast path hands nested tensors (TransformerEncoder with a padding mask):
+  skipped with the reason, the rest frozen (a traceback ended the whole tune);
 - tensors held as plain attributes (the RNNs' hidden state), which a model built on the meta
   device would leave without data;
 - a chosen region that cannot be frozen: its parts, passed over as overlapping it, are
@@ -142,6 +145,100 @@ def test_a_model_that_reads_a_file_beside_its_own_is_built_in_the_sandbox(tmp_pa
     (problem,), _ = freeze(loaded, [RegionChoice("Model")], tmp_path / "run" / "problems", torch.device("cpu"))
     (ok,) = _judged([tmp_path / "run" / "problems" / problem.name], (problem.name, OWN))
     assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+
+
+SIBLING = """
+import torch
+from torch import nn
+from sibling_blocks import Scaled
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = Scaled(16)
+
+    def forward(self, x):
+        return self.body(x) + 1
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(4, 16)]
+"""
+
+BLOCKS = """
+import torch
+from torch import nn
+
+class Scaled(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x)) * 3
+"""
+
+
+def test_a_model_that_imports_a_file_beside_its_own_is_built_in_the_tuner_and_the_sandbox(tmp_path):
+    """`from sibling_blocks import Scaled` works when the file runs as a script (its folder is on the
+    path); the tuner refused the model with ModuleNotFoundError unless run from that folder."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _write(src, "sibling_blocks.py", BLOCKS)
+    loaded = load_model(_write(src, "sibling.py", SIBLING), "cpu")
+    (problem,), _ = freeze(loaded, [RegionChoice("Scaled")], tmp_path / "run" / "problems", torch.device("cpu"))
+    (ok,) = _judged([tmp_path / "run" / "problems" / problem.name], (problem.name, OWN))
+    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+
+
+ENCODER = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True)
+
+    def forward(self, x, pad):
+        return self.enc(x, src_key_padding_mask=pad)
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, 5:] = True
+    return [torch.randn(2, 8, 32), pad]
+"""
+
+
+def test_a_region_handed_nested_tensors_is_skipped_with_the_reason(tmp_path):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors' prototype warning
+        loaded = load_model(_write(tmp_path, "encoder.py", ENCODER), "cpu")
+        problems, skipped = freeze(loaded, [RegionChoice("TransformerEncoderLayer"), RegionChoice("TransformerEncoder")],
+                                   tmp_path / "problems", torch.device("cpu"))
+    assert [s.class_name for s in skipped] == ["TransformerEncoderLayer"], skipped
+    assert "nested" in skipped[0].reason, skipped[0].reason
+    assert [p.region_class for p in problems] == ["TransformerEncoder"]
+
+
+def test_the_region_around_parts_that_cannot_be_frozen_is_chosen_instead(tmp_path):
+    """The profile picks the encoder's layers; they cannot be frozen, so the encoder around them
+    is frozen whole (it was passed over as made of them, and the run had no problem at all)."""
+    import warnings
+
+    from agent.jobs import profile_and_freeze
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = profile_and_freeze(_write(tmp_path, "encoder.py", ENCODER), "cpu", None, tmp_path / "runs")
+    assert "nested" in res.skipped.get("TransformerEncoderLayer", ""), res.skipped
+    assert "TransformerEncoder" in [p.region_class for p in res.problems], (res.problems, res.skipped)
 
 
 HOLDS = """

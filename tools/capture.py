@@ -116,6 +116,14 @@ def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: di
     return max(traffic_ms, flops / (ceilings["matmul_tflops"] * 1e12) * 1e3)
 
 
+def _unusual_layout(tensors: list) -> str | None:
+    """`nested` or the layout (sparse_coo, ...) of the first tensor that is not plain strided."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and (t.is_nested or t.layout != torch.strided):
+            return "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+    return None
+
+
 def _abs_max(t: torch.Tensor) -> float:
     """max |t| without a temporary of t's size (complex: the largest modulus)."""
     if t.is_complex():
@@ -141,121 +149,131 @@ def freeze(loaded: LoadedModel, choices: list[RegionChoice], folder: Path, devic
     per_region = per_region or {}
     model_hash = file_sha256(loaded.path)
     for choice in choices:
-        paths = instances_of(loaded.model, choice.class_name)
-        if not paths:
-            skipped.append(Skipped(choice.class_name, "no module of this class in the model"))
-            continue
-        kinds = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in map(loaded.model.get_submodule, paths)})
-        if len(kinds) > 1:  # a winner is routed by class name: it would replace both classes' forwards
-            skipped.append(Skipped(choice.class_name, f"several classes have this name ({', '.join(kinds[:3])})"))
-            continue
-        rep = paths[0]
-        module = loaded.model.get_submodule(rep)
-        state = module_state(module)
-        admission = Admission(device, sum(t.numel() * t.element_size() for t in state.values()),
-                              copies=device.type != "cpu")
+        # A region that cannot be frozen (an op its tensors do not support, a nested tensor torch's
+        # fast path made) is skipped with the reason; the others and the run go on.
         try:
-            names = [p["name"] for p in signature_facts(type(module))]
-            inputs, raw_outputs, calls, notes = record_calls(loaded.model, module, loaded.workloads, names, admission)
-        except DoesNotFit as e:
-            skipped.append(Skipped(choice.class_name, f"does not fit in memory: {e}"))
-            continue
-        except RuntimeError as e:
-            skipped.append(Skipped(choice.class_name, f"{rep or 'the model'}: {e}"))
-            continue
-        absent = [n for n in notes if "absent" in n]
-        if any(n.startswith("output") for n in absent):
-            skipped.append(Skipped(choice.class_name, f"returns something that is not plain data ({absent[0]})"))
-            continue
-        flat = [flatten(o) for o in raw_outputs]
-        if not any(isinstance(t, torch.Tensor) and t.numel() for t in flat[0][0]):
-            skipped.append(Skipped(choice.class_name, "returns no tensor to compare"))
-            continue
-        reference = [{"structure": s, "outputs": outs} for outs, s in flat]
-        why_absent = f" (frozen as absent: {'; '.join(absent)[:300]})" if absent else ""
-        # The region alone, rebuilt from the file and the frozen state, must give the same outputs.
-        try:
-            alone = build_region(loaded.path, rep, state, device)
-            versions = _versions(alone)
-            with torch.no_grad():
-                again, random = draws_random(lambda: [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0]
-                                                      for s in inputs], device)
-                if random:  # no fixed answer: today's outputs are the seeded calls' (`CALL_SEED`),
-                    # and the check below is a second seeded run against them: seeded, it must agree.
-                    flat = [([host_copy(t) if isinstance(t, torch.Tensor) else t for t in outs], structure)
-                            for outs, (_, structure) in zip(_seeded_calls(alone, inputs, device), flat)]
-                    reference = [{"structure": st, "outputs": outs} for outs, st in flat]
-                    again = _seeded_calls(alone, inputs, device)
-                    notes.append(f"draws random numbers in its forward: every call of it (the original's and each "
-                                 f"candidate's) starts from torch.manual_seed({CALL_SEED})")
+            got = _freeze_one(loaded, choice, folder, device, [p.name for p in problems], model_hash, tolerance=tolerance,
+                              per_region=per_region, stop_rule=stop_rule, targets=targets, device_name=device_name,
+                              ceilings=ceilings)
         except Exception as e:
-            skipped.append(Skipped(choice.class_name, f"cannot be rebuilt on its own: {type(e).__name__}: "
-                                   f"{str(e)[:300]}{why_absent}"))
-            continue
-        # The tolerance follows the first floating-point output; with none (argmax's indices), exact.
-        tensors = [t for t in flat[0][0] if isinstance(t, torch.Tensor) and t.numel()]
-        first = next((t for t in tensors if t.is_floating_point() or t.is_complex()), tensors[0])
-        ref_max = max((_abs_max(t) for outs, _ in flat for t in outs if isinstance(t, torch.Tensor)
-                       and (t.is_floating_point() or t.is_complex()) and t.numel()), default=0.0)
-        tol, source = default_tolerance(first.dtype, ref_max), "default"
-        if tolerance is not None:
-            tol, source = tolerance, "cli"
-        if choice.class_name in per_region:
-            tol, source = per_region[choice.class_name], "cli (per region)"
-        # Compared where the rebuilt outputs are: the references go to the device, so the host
-        # never holds a second copy of the outputs.
-        drift = max(diff(a, [r if r is None or t is None else r.to(t.device) for r, t in zip(ref["outputs"], a)]
-                         ).error(tol) for a, ref in zip(again, reference))
-        del again
-        if drift > tol.value:
-            held = tensor_attributes(module)
-            why = (f"it holds tensors that are neither parameters nor buffers ({', '.join(held[:3])}), which its "
-                   "forward may change between calls" if held else "it depends on state outside the module")
-            skipped.append(Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
-                                   f"by {drift:.3g} (> {tol}): {why}{why_absent}"))
-            continue
-        written = [n for n, v in _versions(alone).items() if versions.get(n, v) != v]
-        if written and (moved := _answer_moved(alone, inputs[0], reference[0], tol, random, device)):
-            skipped.append(Skipped(choice.class_name, f"its forward changes its own parameters or buffers "
-                                   f"({', '.join(written[:3])}) and then answers otherwise (by {moved:.3g} on a "
-                                   "second call): it has no fixed answer to judge a candidate by"))
-            continue
-        if kinds := _train_only(loaded, module):
-            notes.append(_eval_note(kinds))
-        constant = _constant([t for outs, _ in flat for t in outs])
-        if constant is not None:
-            notes.append(f"every output element is {constant:g} on every frozen input set: a candidate may return "
-                         "that without computing; its trials are flagged")
-        graph, graph_notes = _facts(alone, inputs[0], flat[0][1], device)
-        notes += graph_notes + [n for n in [admission.note()] if n]
-        workloads = []
-        for w, s, (outs, _) in zip(loaded.workloads, inputs, flat):
-            workloads.append(Workload(
-                name=w.name, weight=w.weight, calls_per_forward=calls[w.name],
-                inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(s))],
-                outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None],
-                baseline_ms=(choice.baseline_ms or {}).get(w.name)))
-        floors = {w.name: _floor_ms(alone, s, outs, state, device, ceilings, notes)
-                  for w, s, (outs, _) in zip(loaded.workloads, inputs, flat)}
-        name = _folder_name(choice.class_name, [p.name for p in problems], folder)
-        problem = Problem(
-            name=name, region_class=choice.class_name, region_path=rep, instances=paths,
-            fingerprints={path: instance_fingerprint(loaded.model.get_submodule(path)) for path in paths},
-            region_source=_source(type(module)), model_file=str(loaded.path), model_hash=model_hash,
-            init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
-            parameters=[TensorSpec.of(n, t) for n, t in state.items()], model_bytes=model_bytes(loaded.model),
-            attributes=scalar_attributes(module), children={n: type(c).__qualname__ for n, c in module.named_children()},
-            workloads=workloads, tolerance=tol, tolerance_source=source,
-            metric="weighted_latency" if len(workloads) > 1 else "latency",
-            target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
-            share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
-            floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes),
-            inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]), seeded_calls=random,
-            constant_output=constant)
-        problem.save(folder / name, inputs, reference, state)
-        problems.append(problem)
-        del inputs, raw_outputs, reference, flat, alone
+            got = Skipped(choice.class_name, f"could not be frozen: {type(e).__name__}: {str(e)[:300]}")
+        (skipped if isinstance(got, Skipped) else problems).append(got)
     return problems, skipped
+
+
+def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device: torch.device, taken: list[str],
+                model_hash: str, *, tolerance: Tolerance | None, per_region: dict[str, Tolerance],
+                stop_rule: StopRule | None, targets: list[str] | None, device_name: str,
+                ceilings: dict | None) -> "Problem | Skipped":
+    """One choice's problem, written under `folder`, or why it is skipped (nothing written)."""
+    paths = instances_of(loaded.model, choice.class_name)
+    if not paths:
+        return Skipped(choice.class_name, "no module of this class in the model")
+    kinds = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in map(loaded.model.get_submodule, paths)})
+    if len(kinds) > 1:  # a winner is routed by class name: it would replace both classes' forwards
+        return Skipped(choice.class_name, f"several classes have this name ({', '.join(kinds[:3])})")
+    rep = paths[0]
+    module = loaded.model.get_submodule(rep)
+    state = module_state(module)
+    admission = Admission(device, sum(t.numel() * t.element_size() for t in state.values()),
+                          copies=device.type != "cpu")
+    try:
+        names = [p["name"] for p in signature_facts(type(module))]
+        inputs, raw_outputs, calls, notes = record_calls(loaded.model, module, loaded.workloads, names, admission)
+    except DoesNotFit as e:
+        return Skipped(choice.class_name, f"does not fit in memory: {e}")
+    except RuntimeError as e:
+        return Skipped(choice.class_name, f"{rep or 'the model'}: {e}")
+    if odd := _unusual_layout([t for s in inputs for t in tensors_in(s)] + [t for o in raw_outputs for t in flatten(o)[0]]):
+        return Skipped(choice.class_name, f"takes or returns {odd} tensors (torch's fast paths make nested ones from "
+                       "padding masks): only strided tensors can be frozen and compared")
+    absent = [n for n in notes if "absent" in n]
+    if any(n.startswith("output") for n in absent):
+        return Skipped(choice.class_name, f"returns something that is not plain data ({absent[0]})")
+    flat = [flatten(o) for o in raw_outputs]
+    if not any(isinstance(t, torch.Tensor) and t.numel() for t in flat[0][0]):
+        return Skipped(choice.class_name, "returns no tensor to compare")
+    reference = [{"structure": s, "outputs": outs} for outs, s in flat]
+    why_absent = f" (frozen as absent: {'; '.join(absent)[:300]})" if absent else ""
+    # The region alone, rebuilt from the file and the frozen state, must give the same outputs.
+    try:
+        alone = build_region(loaded.path, rep, state, device)
+        versions = _versions(alone)
+        with torch.no_grad():
+            again, random = draws_random(lambda: [flatten(alone(*call_args(s, device)[0], **call_args(s, device)[1]))[0]
+                                                  for s in inputs], device)
+            if random:  # no fixed answer: today's outputs are the seeded calls' (`CALL_SEED`),
+                # and the check below is a second seeded run against them: seeded, it must agree.
+                flat = [([host_copy(t) if isinstance(t, torch.Tensor) else t for t in outs], structure)
+                        for outs, (_, structure) in zip(_seeded_calls(alone, inputs, device), flat)]
+                reference = [{"structure": st, "outputs": outs} for outs, st in flat]
+                again = _seeded_calls(alone, inputs, device)
+                notes.append(f"draws random numbers in its forward: every call of it (the original's and each "
+                             f"candidate's) starts from torch.manual_seed({CALL_SEED})")
+    except Exception as e:
+        return Skipped(choice.class_name, f"cannot be rebuilt on its own: {type(e).__name__}: "
+                               f"{str(e)[:300]}{why_absent}")
+    # The tolerance follows the first floating-point output; with none (argmax's indices), exact.
+    tensors = [t for t in flat[0][0] if isinstance(t, torch.Tensor) and t.numel()]
+    first = next((t for t in tensors if t.is_floating_point() or t.is_complex()), tensors[0])
+    ref_max = max((_abs_max(t) for outs, _ in flat for t in outs if isinstance(t, torch.Tensor)
+                   and (t.is_floating_point() or t.is_complex()) and t.numel()), default=0.0)
+    tol, source = default_tolerance(first.dtype, ref_max), "default"
+    if tolerance is not None:
+        tol, source = tolerance, "cli"
+    if choice.class_name in per_region:
+        tol, source = per_region[choice.class_name], "cli (per region)"
+    # Compared where the rebuilt outputs are: the references go to the device, so the host
+    # never holds a second copy of the outputs.
+    drift = max(diff(a, [r if r is None or t is None else r.to(t.device) for r, t in zip(ref["outputs"], a)]
+                     ).error(tol) for a, ref in zip(again, reference))
+    del again
+    if drift > tol.value:
+        held = tensor_attributes(module)
+        why = (f"it holds tensors that are neither parameters nor buffers ({', '.join(held[:3])}), which its "
+               "forward may change between calls" if held else "it depends on state outside the module")
+        return Skipped(choice.class_name, f"rebuilt on its own it differs from the captured outputs "
+                               f"by {drift:.3g} (> {tol}): {why}{why_absent}")
+    written = [n for n, v in _versions(alone).items() if versions.get(n, v) != v]
+    if written and (moved := _answer_moved(alone, inputs[0], reference[0], tol, random, device)):
+        return Skipped(choice.class_name, f"its forward changes its own parameters or buffers "
+                               f"({', '.join(written[:3])}) and then answers otherwise (by {moved:.3g} on a "
+                               "second call): it has no fixed answer to judge a candidate by")
+    if kinds := _train_only(loaded, module):
+        notes.append(_eval_note(kinds))
+    constant = _constant([t for outs, _ in flat for t in outs])
+    if constant is not None:
+        notes.append(f"every output element is {constant:g} on every frozen input set: a candidate may return "
+                     "that without computing; its trials are flagged")
+    graph, graph_notes = _facts(alone, inputs[0], flat[0][1], device)
+    notes += graph_notes + [n for n in [admission.note()] if n]
+    workloads = []
+    for w, s, (outs, _) in zip(loaded.workloads, inputs, flat):
+        workloads.append(Workload(
+            name=w.name, weight=w.weight, calls_per_forward=calls[w.name],
+            inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(s))],
+            outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None],
+            baseline_ms=(choice.baseline_ms or {}).get(w.name)))
+    floors = {w.name: _floor_ms(alone, s, outs, state, device, ceilings, notes)
+              for w, s, (outs, _) in zip(loaded.workloads, inputs, flat)}
+    name = _folder_name(choice.class_name, taken, folder)
+    problem = Problem(
+        name=name, region_class=choice.class_name, region_path=rep, instances=paths,
+        fingerprints={path: instance_fingerprint(loaded.model.get_submodule(path)) for path in paths},
+        region_source=_source(type(module)), model_file=str(loaded.path), model_hash=model_hash,
+        init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
+        parameters=[TensorSpec.of(n, t) for n, t in state.items()], model_bytes=model_bytes(loaded.model),
+        attributes=scalar_attributes(module), children={n: type(c).__qualname__ for n, c in module.named_children()},
+        workloads=workloads, tolerance=tol, tolerance_source=source,
+        metric="weighted_latency" if len(workloads) > 1 else "latency",
+        target_generations=list(targets or []), stop_rule=stop_rule or StopRule(),
+        share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
+        floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes),
+        inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]), seeded_calls=random,
+        constant_output=constant)
+    problem.save(folder / name, inputs, reference, state)
+    del inputs, raw_outputs, reference, flat, alone
+    return problem
 
 
 def _seeded_calls(region: torch.nn.Module, inputs: list[dict], device: torch.device) -> list[list]:

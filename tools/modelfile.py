@@ -165,6 +165,10 @@ def import_model_file(path: str | Path, origin: str | Path | None = None) -> Mod
     name = module_name_for(path)
     if name in sys.modules:
         return sys.modules[name]
+    # Its folder serves its sibling imports (`from layers import Block`), as when it runs as a script.
+    home = str(Path(origin or path).parent)
+    if home not in sys.path and os.access(home, os.R_OK | os.X_OK):
+        sys.path.append(home)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     if origin is not None:

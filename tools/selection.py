@@ -56,7 +56,10 @@ def _inside(q: str, p: str) -> bool:
 class _Tree:
     """The profile's module rows as a tree, with the facts selection needs per class."""
 
-    def __init__(self, result: ProfileResult, min_share: float):
+    def __init__(self, result: ProfileResult, min_share: float, exclude: tuple[str, ...] = ()):
+        """`exclude`: classes that cannot be regions (they could not be frozen): never a part that
+        hides the class around them, which is then taken whole (TransformerEncoder, where torch's
+        fast path hands its layers nested tensors)."""
         self.rows = {r.path: r for r in result.rows}
         self.classes = {c.qualname: c for c in result.by_class}
         self.min_share = min_share
@@ -66,6 +69,7 @@ class _Tree:
                 kids[r.parent].append(r)
         self._kids = kids
         self.composite = {q for q, c in self.classes.items() if not c.container
+                          and c.class_name not in exclude and q not in exclude
                           and any(self.called_children(p) for p in c.paths)}
         self._fate: dict[str, tuple[str, str]] = {}
         self._shadowed: dict[tuple[str, frozenset], bool] = {}
@@ -139,7 +143,7 @@ class _Tree:
 def plan_regions(result: ProfileResult, coverage: float = 0.9, max_regions: int = 8,
                  exclude: tuple[str, ...] = (), min_share: float = 0.05) -> list[RegionVerdict]:
     """Every class of the profile with whether it is chosen and why, heaviest first."""
-    tree = _Tree(result, min_share)
+    tree = _Tree(result, min_share, exclude)
     verdicts: dict[str, RegionVerdict] = {}
 
     def verdict(c: ClassRow, chosen: bool, reason: str) -> None:
