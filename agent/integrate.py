@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 from agent import dispatch
 from agent.history import CandidateRecord
 from agent.loop import load_history
+from agent.view import times
 from agent.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
                         whole_model)
 from sandbox.pool import DevicePool
@@ -100,7 +101,7 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         shaped = dispatch.region_dispatcher(run, p, kept, gens, wins[0] if wins else None, lambda r: _source(run, r)[0])
         if not wins and shaped is None:
             dropped.append(DroppedCandidate(region=p.name, candidate_hash=kept[0].candidate_hash,
-                                            reason=f"{NOT_FASTER} (best kept {kept[0].score(gens):.2f}x)"))
+                                            reason=f"{NOT_FASTER} (best kept {times(kept[0].score(gens))})"))
             continue
         # The per-shape choice first: on every workload it is at least as fast as the best single one.
         tries = ([shaped[0]] if shaped else []) + wins[:max_tries]

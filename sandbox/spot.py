@@ -45,7 +45,7 @@ def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> Call
     meta = (kept.header.get("meta") or [None])[0]
     if got is None or not isinstance(meta, dict):
         raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: no output was kept for it")
-    layouts = (r.reference.problems[p.name].effects or {}).get("row_major") or []
+    layouts = [] if p.is_whole_model else (r.reference.problems[p.name].effects or {}).get("row_major") or []
     bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0], layouts[i] if i < len(layouts) else None)
     if bad:
         raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")

@@ -6,6 +6,8 @@
   compiler's candidates and compile baselines draw torch's numbers (fallback_random) and pass;
 - a model that reads a file beside its own (a config) when it is built, or imports one (its
   layers): built in the tuner and in the sandbox alike;
+- a model that returns an object holding tensors (transformers' DynamicCache, which a causal LM
+  returns by default): compared end to end by those tensors (there was no end-to-end reference);
 - a region torch's fast path hands nested tensors (TransformerEncoder with a padding mask):
   skipped with the reason, the rest frozen (a traceback ended the whole tune);
 - tensors held as plain attributes (the RNNs' hidden state), which a model built on the meta
@@ -239,6 +241,64 @@ def test_the_region_around_parts_that_cannot_be_frozen_is_chosen_instead(tmp_pat
         res = profile_and_freeze(_write(tmp_path, "encoder.py", ENCODER), "cpu", None, tmp_path / "runs")
     assert "nested" in res.skipped.get("TransformerEncoderLayer", ""), res.skipped
     assert "TransformerEncoder" in [p.region_class for p in res.problems], (res.problems, res.skipped)
+
+
+CACHE_OUT = """
+import torch
+from torch import nn
+
+class Layer:
+    def __init__(self, keys, values):
+        self.keys, self.values, self.dtype = keys, values, keys.dtype
+
+class Cache:
+    def __init__(self):
+        self.layers, self.seen = [], 0
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        cache = Cache()
+        cache.layers.append(Layer(h * 2, torch.sigmoid(h)))
+        cache.seen = x.shape[0]
+        return {"logits": torch.tanh(h), "cache": cache}
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(4, 16)]
+"""
+
+# Right logits, a cache holding other keys: the next decode step would read them.
+STALE_KEYS = """import torch
+
+def forward(module, x):
+    out = type(module).forward(module, x)
+    out["cache"].layers[0].keys = out["cache"].layers[0].keys * 1.01
+    return out
+"""
+# Right values in transposed strides: the rival torch.compile hands back such outputs too.
+TRANSPOSED = """import torch
+
+def forward(module, x):
+    out = type(module).forward(module, x)
+    out["logits"] = out["logits"].t().contiguous().t()
+    return out
+"""
+
+
+def test_a_model_returning_an_object_that_holds_tensors_is_compared_by_them(tmp_path):
+    loaded = load_model(_write(tmp_path, "cache_out.py", CACHE_OUT), "cpu")
+    freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
+    own, stale, transposed = _judged([tmp_path / "model"], ("model", OWN), ("model", STALE_KEYS), ("model", TRANSPOSED))
+    assert own.status is Status.ok, (own.status, own.reason, own.error_text[-600:])
+    assert stale.status is Status.wrong, (stale.status, stale.reason)
+    assert transposed.status is Status.ok, (transposed.status, transposed.reason)
 
 
 HOLDS = """

@@ -150,8 +150,15 @@ def _on_meta(m: torch.nn.Module) -> bool:
     return any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
 
 
-def flatten(out: Any) -> tuple[list[torch.Tensor | None], str]:
-    """Outputs as a flat list plus a structure string (`T`, `(T,T)`, `[T,N]`, `{a:T}`, ...)."""
+OBJECT_DEPTH = 4
+"""How deep `flatten` looks into plain objects' attributes for tensors (a cache's layers' keys)."""
+
+
+def flatten(out: Any, _depth: int = 0) -> tuple[list[torch.Tensor | None], str]:
+    """Outputs as a flat list plus a structure string (`T`, `(T,T)`, `[T,N]`, `{a:T}`, ...). An
+    object that holds tensors in its attributes (transformers' DynamicCache, which a causal LM
+    returns by default) is its tensors: `<DynamicCache>{layers:[<DynamicLayer>{keys:T,values:T}]}`;
+    any other object is `?Type`, no leaf to compare."""
     if isinstance(out, torch.Tensor):
         return [out], "T"
     if out is None:
@@ -159,7 +166,7 @@ def flatten(out: Any) -> tuple[list[torch.Tensor | None], str]:
     if isinstance(out, (tuple, list)):
         leaves, parts = [], []
         for x in out:
-            sub, s = flatten(x)
+            sub, s = flatten(x, _depth)
             leaves += sub
             parts.append(s)
         brackets = "()" if isinstance(out, tuple) else "[]"
@@ -167,11 +174,36 @@ def flatten(out: Any) -> tuple[list[torch.Tensor | None], str]:
     if isinstance(out, dict) and all(isinstance(k, str) for k in out):  # also transformers' ModelOutput
         leaves, parts = [], []
         for k, x in out.items():
-            sub, s = flatten(x)
+            sub, s = flatten(x, _depth)
             leaves += sub
             parts.append(f"{k}:{s}")
         return leaves, "{" + ",".join(parts) + "}"
+    if held := _tensor_attributes(out, _depth):
+        leaves, parts = [], []
+        for k, x in held:
+            sub, s = flatten(x, _depth + 1)
+            leaves += sub
+            parts.append(f"{k}:{s}")
+        return leaves, f"<{type(out).__name__}>{{" + ",".join(parts) + "}"
     return [None], f"?{type(out).__name__}"
+
+
+def _tensor_attributes(obj: Any, depth: int) -> list[tuple[str, Any]]:
+    """A plain object's attributes (by name) that hold tensors, looked into `OBJECT_DEPTH` deep;
+    none for a module (its weights are not its output), a type or an object without a __dict__."""
+    if depth >= OBJECT_DEPTH or isinstance(obj, (torch.nn.Module, type)) or not hasattr(obj, "__dict__"):
+        return []
+    return [(k, v) for k, v in sorted(vars(obj).items()) if not k.startswith("__") and _holds_tensor(v, depth + 1)]
+
+
+def _holds_tensor(x: Any, depth: int) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_holds_tensor(v, depth) for v in x)
+    if isinstance(x, dict):
+        return any(_holds_tensor(v, depth) for v in x.values())
+    return bool(_tensor_attributes(x, depth))
 
 
 def call_args(input_set: dict, device: torch.device) -> tuple[list, dict]:

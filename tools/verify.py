@@ -182,7 +182,9 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
     evidence this process holds (frozen references, the reference worker's answers)."""
     reference, effects = ev.reference, ev.effects or {}
     metas = report["meta"]
-    layouts = effects.get("row_major") or []
+    # Region outputs feed the model's own code, which may view them; the whole model's go to its
+    # caller, and torch.compile itself hands back other strides there (a causal LM's cache keys).
+    layouts = [] if problem.is_whole_model else effects.get("row_major") or []
 
     def layout(i: int) -> list | None:
         return layouts[i] if i < len(layouts) else None
