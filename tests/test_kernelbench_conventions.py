@@ -8,6 +8,9 @@
   layers): built in the tuner and in the sandbox alike;
 - a model that returns an object holding tensors (transformers' DynamicCache, which a causal LM
   returns by default): compared end to end by those tensors (there was no end-to-end reference);
+- hooks the model registers on a region (a pre-hook scaling its input, a hook adding to its
+  output): the region is its forward alone, frozen and judged as the sandbox calls it (it was
+  skipped as "depends on state outside the module"), torch.compile candidates included;
 - a region torch's fast path hands nested tensors (TransformerEncoder with a padding mask):
   skipped with the reason, the rest frozen (a traceback ended the whole tune);
 - tensors held as plain attributes (the RNNs' hidden state), which a model built on the meta
@@ -299,6 +302,50 @@ def test_a_model_returning_an_object_that_holds_tensors_is_compared_by_them(tmp_
     assert own.status is Status.ok, (own.status, own.reason, own.error_text[-600:])
     assert stale.status is Status.wrong, (stale.status, stale.reason)
     assert transposed.status is Status.ok, (transposed.status, transposed.reason)
+
+
+HOOKED = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        for b in self.blocks:
+            b.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+            b.register_forward_hook(lambda m, args, out: out + 1.0)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(4, 16)]
+"""
+
+
+def test_a_region_with_hooks_is_its_forward_alone(tmp_path):
+    loaded = load_model(_write(tmp_path, "hooked.py", HOOKED), "cpu")
+    problems, skipped = freeze(loaded, [RegionChoice("Block")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped and len(problems) == 1, skipped
+    (problem,) = problems
+    compiled = CompilerPlanner().candidate(problem, None, {})
+    trials = _judged([tmp_path / "problems" / problem.name], (problem.name, OWN), (problem.name, compiled.source))
+    for t in trials:
+        assert t.status is Status.ok, (t.status, t.reason, t.error_text[-600:])
 
 
 HOLDS = """

@@ -160,7 +160,7 @@ def trace(region: torch.nn.Module, args: list, kwargs: dict, names: dict[str, st
         mark(v, names.get(f"kw:{k}", k))
     tracer = _Tracer(labels)
     with torch.no_grad(), tracer:
-        region(*args, **kwargs)
+        type(region).forward(region, *args, **kwargs)  # forward alone, as the sandbox calls it
     return tracer.nodes
 
 

@@ -137,8 +137,10 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
                                                                 for k, v in kwargs.items()}},
                                 rec.plain(output, "output"))
 
+            # What forward itself is given and returns: the model's own pre-hooks run before
+            # `before`, its forward hooks after `hook` (a winner replaces forward; they stay).
             handles = [module.register_forward_pre_hook(before, with_kwargs=True)]
-            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
             restore = getattr(w, "restore", None)
             try:
                 if restore:
