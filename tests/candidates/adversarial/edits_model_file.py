@@ -1,6 +1,7 @@
-"""EXPECT: ok -- appends code to the model file it was imported from: what it finds there is the
-worker's own copy of the model file (the real one is outside the jail, read-only), so the edit
-changes nothing the tuner uses, and the model file stays byte-identical."""
+"""EXPECT: runtime_error -- appends code to the model file it was imported from: inside the jail
+the model's folder is read-only (the worker imports a pinned copy whose `__file__` names the
+original, so a config beside it is found), so the write raises, and the model file stays
+byte-identical."""
 import sys
 
 
