@@ -28,7 +28,7 @@ def elements(lp: "LoadedProblem", i: int) -> int:
 
 
 def _abs_sum(leaves: list) -> float:
-    return float(sum(t.double().abs().sum() for t in leaves if t is not None and t.numel()))
+    return float(sum(timing.finite_abs(t).double().sum() for t in leaves if t is not None and t.numel()))
 
 
 def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> Callable[[], None]:

@@ -7,6 +7,8 @@
   right on the frozen and fresh inputs, and wrong with the perturbed parameters.
 - An unchanged region timed against itself reads "no change" (inside its A/A noise band), and
   is never a win.
+- Outputs holding infinities or NaN (masked logits) are timed like any other: the checksum that
+  binds a timed run's outputs counts them as finite codes.
 """
 
 from pathlib import Path
@@ -363,3 +365,47 @@ def test_a_reply_forged_before_the_work_is_still_refused(frozen):
         runner.close()
     assert trial.status is Status.suspicious and "sooner than the harness" in trial.reason, trial.reason
     assert "in each of 3 runs" in trial.reason, trial.reason
+
+
+MASKED_LOGITS = """import torch
+from torch import nn
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+
+    def forward(self, x, allowed):
+        return self.fc(x).masked_fill(~allowed, float("-inf"))
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = Head()
+
+    def forward(self, x, allowed):
+        return self.head(torch.relu(x), allowed)
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(16, 32), torch.rand(16, 64, generator=torch.Generator().manual_seed(0)) > 0.3]
+"""
+
+
+def test_outputs_holding_infinities_are_timed_and_spot_checked(tmp_path):
+    """-inf where a mask forbids a token: with |x| * (+-1) summed, the checksum was inf - inf = NaN,
+    which matches nothing, so every timed run of such a region (its own forward, a compile
+    candidate, the untouched model in integration) was refused as `suspicious`."""
+    (tmp_path / "masked.py").write_text(MASKED_LOGITS)
+    loaded = load_model(tmp_path / "masked.py", "cpu")
+    (problem,), _ = freeze(loaded, [RegionChoice("Head")], tmp_path / "run" / "problems", torch.device("cpu"))
+    runner = TrialRunner("cpu", Limits(budget_ms=30, max_reps=20, rounds=2))
+    try:
+        runner.add_problem(tmp_path / "run" / "problems" / problem.name)
+        trial = runner.run(Candidate(region=problem.name, source=OWN))
+    finally:
+        runner.close()
+    assert trial.status is Status.ok, (trial.status, trial.reason)
+    assert "spot_judge" in trial.phases  # the last round is always checked

@@ -122,6 +122,16 @@ CHECKSUM_ROWS = 4096
 """Key periods per pass of `checksum`: about 32M elements (128 MB in float32) at a time."""
 
 
+NONFINITE = {"nan": 7.0, "posinf": 11.0, "neginf": 13.0}
+"""What a NaN, +inf and -inf count as in a checksum: |x| * (+-1) summed would be inf - inf = NaN
+for any output holding an infinity (masked logits), and a NaN checksum matches nothing."""
+
+
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| in float32 with NaN and infinities as the finite codes of NONFINITE."""
+    return torch.nan_to_num(x.float(), **NONFINITE).abs_()
+
+
 def checksum(leaves: list, key: torch.Tensor | None) -> torch.Tensor:
     """sum |x_i| * key_i over the outputs, flattened in order, the key repeating every
     key.numel() elements (a 0-dim float32 tensor, on the outputs' device). Nonlinear in the
@@ -142,9 +152,9 @@ def checksum(leaves: list, key: torch.Tensor | None) -> torch.Tensor:
             block = x[j:j + step]
             rows, tail = divmod(block.numel(), period)
             if rows:
-                total += torch.mv(block[:rows * period].view(rows, period).float().abs(), k).sum()
+                total += torch.mv(finite_abs(block[:rows * period].view(rows, period)), k).sum()
             if tail:
-                total += (block[rows * period:].float().abs() * k[:tail]).sum()
+                total += (finite_abs(block[rows * period:]) * k[:tail]).sum()
         at += x.numel()
     return total
 
