@@ -111,7 +111,8 @@ def register(worker: Worker, problem: Problem, folder: Path, timeout: float) -> 
     try:
         return worker.request({"op": "problem", "name": problem.name, "model_file": problem.model_file,
                                "region_path": problem.region_path, "env": problem.model_env,
-                               "meta": problem.build_on_meta, "seeded": problem.seeded_calls},
+                               "meta": problem.build_on_meta, "seeded": problem.seeded_calls,
+                               "fixed_ints": problem.fixed_ints},
                               timeout=timeout, fds=[f.fileno() for f in files])
     finally:
         for f in files:

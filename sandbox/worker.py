@@ -128,7 +128,7 @@ class Worker:
         # (tools.region.CALL_SEED); timed runs too, so both sides pay for the seeding.
         wrap = seeded if req.get("seeded") else (lambda f: f)
         self.problems[req["name"]] = {"region": region, "forward": wrap(type(region).forward), "inputs": inputs,
-                                      "wrap": wrap}
+                                      "wrap": wrap, "fixed_ints": bool(req.get("fixed_ints"))}
         header: dict[str, Any] = {"ok": True, "parts": parts}
         payload = None
         if self.role == "reference":
@@ -155,7 +155,7 @@ class Worker:
         # reduce-overhead re-record its CUDA graphs in half of its timed calls.
         make = self.in_place.setdefault((req.get("problem"), req["set"], bool(req.get("control"))),
                                         T.WrittenInPlace(None))
-        make.draw = lambda j: T.vary_set(base_args, base_kwargs, seed + 1000003 * j)
+        make.draw = lambda j: T.vary_set(base_args, base_kwargs, seed + 1000003 * j, p["fixed_ints"])
         if self.role == "reference" or req.get("control"):
             region, fwd = p["region"], p["forward"]
             call = lambda a: fwd(region, *a[0], **a[1])  # noqa: E731

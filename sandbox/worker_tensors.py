@@ -259,15 +259,16 @@ def _sub_seed(g: Any) -> int:
     return int(torch.randint(0, 1 << 62, (1,), generator=g))
 
 
-def vary(x: Any, seed: int) -> Any:
+def vary(x: Any, seed: int, fixed_ints: bool = False) -> Any:
     """A fresh input shaped, laid out and placed like `x`: the frozen values rolled by a random
     offset (every element moves; the distribution, signs, zeros, infinities and integer ranges
     stay), floats also jittered by about 1.6%. Booleans (masks) are kept. Drawn on x's device
     (a counter-based generator there) in new memory; the same seed on the same kind of device
-    gives the same tensor in any process."""
+    gives the same tensor in any process. `fixed_ints`: integer tensors are kept too
+    (Problem.fixed_ints)."""
     import torch
     if isinstance(x, torch.Tensor):
-        if x.dtype == torch.bool or x.numel() < 2:
+        if x.dtype == torch.bool or x.numel() < 2 or (fixed_ints and not (x.is_floating_point() or x.is_complex())):
             return torch.empty_like(x).copy_(x)
         g = _gen(seed)
         shift = int(torch.randint(1, x.numel(), (1,), generator=g))
@@ -281,15 +282,15 @@ def vary(x: Any, seed: int) -> Any:
             return rolled.view(x.shape)
         return torch.empty_like(x).copy_(rolled.view(x.shape))
     if isinstance(x, dict):
-        return {k: vary(v, seed + 7919 * (i + 1)) for i, (k, v) in enumerate(x.items())}
+        return {k: vary(v, seed + 7919 * (i + 1), fixed_ints) for i, (k, v) in enumerate(x.items())}
     if isinstance(x, (list, tuple)):
-        return type(x)(vary(v, seed + 104729 * (i + 1)) for i, v in enumerate(x))
+        return type(x)(vary(v, seed + 104729 * (i + 1), fixed_ints) for i, v in enumerate(x))
     return x
 
 
-def vary_set(args: list, kwargs: dict, seed: int) -> tuple[list, dict]:
+def vary_set(args: list, kwargs: dict, seed: int, fixed_ints: bool = False) -> tuple[list, dict]:
     """(args, kwargs) of a fresh input set drawn from a frozen one already on the device."""
-    return vary(list(args), seed), vary(dict(kwargs), seed ^ 0x5DEECE66D)
+    return vary(list(args), seed, fixed_ints), vary(dict(kwargs), seed ^ 0x5DEECE66D, fixed_ints)
 
 
 class WrittenInPlace:

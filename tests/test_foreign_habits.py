@@ -10,6 +10,8 @@ the sandbox had lost, refused or misjudged:
 - hooks the model registers on a region (a pre-hook scaling its input, a hook adding to its
   output): the region is its forward alone, frozen and judged as the sandbox calls it (it was
   skipped as "depends on state outside the module"), torch.compile candidates included;
+- integer inputs with an order to keep (EmbeddingBag's offsets): fresh draws keep them as frozen
+  (floats still move); rolled, the original itself raised and every trial was lost;
 - a region torch's fast path hands nested tensors (TransformerEncoder with a padding mask):
   skipped with the reason, and the encoder around them frozen whole (a traceback had ended the
   whole tune).
@@ -275,5 +277,37 @@ def test_a_region_with_hooks_is_its_forward_alone(tmp_path):
     (problem,) = problems
     compiled = CompilerPlanner().candidate(problem, None, {})
     trials = _judged([tmp_path / "problems" / problem.name], (problem.name, OWN), (problem.name, compiled.source))
+    for t in trials:
+        assert t.status is Status.ok, (t.status, t.reason, t.error_text[-600:])
+
+
+BAGS = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(100, 16, mode="sum")
+        self.fc = nn.Linear(16 + 8, 4)
+
+    def forward(self, dense, idx, offsets):
+        return self.fc(torch.cat([self.bag(idx, offsets), dense], 1))
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    idx = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(0))
+    return [torch.randn(10, 8), idx, torch.arange(0, 40, 4)]
+"""
+
+
+def test_integer_inputs_that_must_stay_ordered_are_kept_in_fresh_draws(tmp_path):
+    loaded = load_model(_write(tmp_path, "bags.py", BAGS), "cpu")
+    (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
+    whole = freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
+    assert problem.fixed_ints and whole.fixed_ints, skipped
+    trials = _judged([tmp_path / "problems" / problem.name, tmp_path / "model"], (problem.name, OWN), ("model", OWN))
     for t in trials:
         assert t.status is Status.ok, (t.status, t.reason, t.error_text[-600:])

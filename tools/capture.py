@@ -116,6 +116,28 @@ def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: di
     return max(traffic_ms, flops / (ceilings["matmul_tflops"] * 1e12) * 1e3)
 
 
+FIXED_INTS_NOTE = ("fresh inputs keep its integer inputs as frozen (floats still move): rolled, its own forward "
+                   "raised on them (offsets or lengths that must stay ordered)")
+
+
+def fresh_draws(forward, input_set: dict, device: torch.device, seeded: bool) -> tuple[bool, str | None]:
+    """(fixed_ints, why not): whether the sandbox's fresh input draws (sandbox/worker_tensors.py)
+    must keep the integer inputs as frozen for `forward` to run on them, and why it cannot run
+    even then (None: it can). Rolled, EmbeddingBag's offsets start elsewhere than 0, and every
+    trial, the original's own forward included, was lost."""
+    from sandbox.worker_tensors import vary_set
+    why = None
+    for fixed in (False, True):
+        try:
+            args, kwargs = vary_set(*call_args(input_set, device), 0x5EED, fixed)
+            with torch.no_grad(), (seeded_rng(device) if seeded else contextlib.nullcontext()):
+                forward(*args, **kwargs)
+            return fixed, None
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e)[:200]}"
+    return False, why
+
+
 def _unusual_layout(tensors: list) -> str | None:
     """`nested` or the layout (sparse_coo, ...) of the first tensor that is not plain strided."""
     for t in tensors:
@@ -241,6 +263,11 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
         return Skipped(choice.class_name, f"its forward changes its own parameters or buffers "
                                f"({', '.join(written[:3])}) and then answers otherwise (by {moved:.3g} on a "
                                "second call): it has no fixed answer to judge a candidate by")
+    fixed_ints, why = fresh_draws(lambda *a, **k: type(alone).forward(alone, *a, **k), inputs[0], device, random)
+    if why:
+        return Skipped(choice.class_name, f"its own forward raises on fresh inputs drawn from the frozen ones ({why})")
+    if fixed_ints:
+        notes.append(FIXED_INTS_NOTE)
     if kinds := _train_only(loaded, module):
         notes.append(_eval_note(kinds))
     constant = _constant([t for outs, _ in flat for t in outs])
@@ -272,6 +299,7 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
         share_of_model=choice.share, top_kernels=list(choice.top_kernels), model_env=dict(loaded.env),
         floor_ms={k: v for k, v in floors.items() if v is not None}, graph=graph, notes=_unique(notes),
         inplace_inputs=inplace_paths(names, set(inplace_names(type(module))), inputs[0]), seeded_calls=random,
+        fixed_ints=fixed_ints,
         constant_output=constant)
     problem.save(folder / name, inputs, reference, state)
     del inputs, raw_outputs, reference, flat, alone

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from tools.capture import _eval_note, _source, _state_written, _train_only, _versions, model_bytes
+from tools.capture import (FIXED_INTS_NOTE, _eval_note, _source, _state_written, _train_only, _versions,
+                           fresh_draws, model_bytes)
 from tools.inplace import inplace_paths
 from tools.graph import signature_facts
 from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, tensors_in
@@ -78,6 +79,9 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     if written := _state_written(model, state, versions):  # the sandbox refuses a trial that writes them too
         raise ValueError(f"the model changes its own parameters or buffers in its forward ({', '.join(written[:3])}): "
                          "every call starts from another state, so it has no fixed answer to compare with")
+    fixed_ints, why = fresh_draws(model, inputs[0], device, random)
+    if why:
+        raise ValueError(f"the model raises on fresh inputs drawn from the frozen ones ({why})")
     problem = Problem(
         name=MODEL_PROBLEM, region_class=type(model).__qualname__, region_path="", instances=[""],
         region_source=_source(type(model)), model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
@@ -88,8 +92,9 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
         inplace_inputs=inplace_paths([p["name"] for p in signature_facts(type(model))],
                                      set(inplace_names(type(model))), inputs[0]), seeded_calls=random,
+        fixed_ints=fixed_ints,
         model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}),
-        notes=[_eval_note(kinds)] if (kinds := _train_only(loaded, model)) else [])
+        notes=([_eval_note(kinds)] if (kinds := _train_only(loaded, model)) else []) + ([FIXED_INTS_NOTE] if fixed_ints else []))
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem
 

@@ -229,6 +229,9 @@ class Problem(BaseModel):
     seeded_calls: bool = False
     """The region draws random numbers in its forward: every call of it, the original's and a
     candidate's, starts from torch.manual_seed(tools.region.CALL_SEED)."""
+    fixed_ints: bool = False
+    """Fresh input draws keep the integer tensors as frozen (floats still move): rolled, the
+    original itself raised on them (EmbeddingBag's offsets must start at 0 and rise)."""
     model_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables the model file read when it was frozen (LLAMA_PRESET, ...): the
     sandbox workers get exactly these, so they build the same model."""
