@@ -5,7 +5,7 @@ candidate phase, covers:
 
 - functions of torch, torch.nn.functional, Tensor (dunders included), Module, torch.cuda and
   its Event, the C variable functions, `time`, `statistics`, `json`, `socket.socket`, the
-  harness's own modules (worker, protocol, verification runs, timing and tensor helpers), and
+  harness's own modules (worker, protocol, verification runs, timing, tensor helpers and fresh draws), and
   the region's own classes: by identity AND by code object, so a `__code__` swap shows as well
   as a replaced attribute;
 - the dispatcher: the kernel table of the aten ops regions and the harness use most (a slow
@@ -58,11 +58,11 @@ def _spaces(classes: list[type]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from sandbox import protocol, verify_runs, worker_tensors
-    from tools import timing
+    from tools import draws, timing
     spaces = {"torch": torch, "F": F, "Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase,
               "Module": torch.nn.Module, "cuda": torch.cuda, "VF": torch._C._VariableFunctions,
               "nn": torch._C._nn, "timing": timing, "time": time, "statistics": statistics,
-              "worker_tensors": worker_tensors, "Parameter": torch.nn.Parameter, "protocol": protocol,
+              "worker_tensors": worker_tensors, "draws": draws, "Parameter": torch.nn.Parameter, "protocol": protocol,
               "verify_runs": verify_runs, "socket": socket.socket, "json": __import__("json")}
     worker = sys.modules.get("__main__")
     if worker is not None and hasattr(worker, "Worker"):  # the running worker's own module and class

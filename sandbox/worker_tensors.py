@@ -14,8 +14,8 @@ import copy
 import warnings
 from typing import Any
 
-JITTER = 2.0 ** -6
-"""Relative jitter of fresh float inputs: a new value everywhere, the same distribution."""
+from tools.draws import JITTER, _gen, _sub_seed, vary, vary_set  # noqa: F401 (the workers' T.vary_set)
+
 PERTURB = 0.25
 """Size of a parameter perturbation, relative to the parameter's own spread."""
 
@@ -249,50 +249,6 @@ def tensors_map(m) -> dict:
 
 
 # -- drawn from a seed --------------------------------------------------------------------
-def _gen(seed: int, device: Any = "cpu"):
-    import torch
-    return torch.Generator(device=device).manual_seed(seed & ((1 << 63) - 1))
-
-
-def _sub_seed(g: Any) -> int:
-    import torch
-    return int(torch.randint(0, 1 << 62, (1,), generator=g))
-
-
-def vary(x: Any, seed: int, fixed_ints: bool = False) -> Any:
-    """A fresh input shaped, laid out and placed like `x`: the frozen values rolled by a random
-    offset (every element moves; the distribution, signs, zeros, infinities and integer ranges
-    stay), floats also jittered by about 1.6%. Booleans (masks) are kept. Drawn on x's device
-    (a counter-based generator there) in new memory; the same seed on the same kind of device
-    gives the same tensor in any process. `fixed_ints`: integer tensors are kept too
-    (Problem.fixed_ints)."""
-    import torch
-    if isinstance(x, torch.Tensor):
-        if x.dtype == torch.bool or x.numel() < 2 or (fixed_ints and not (x.is_floating_point() or x.is_complex())):
-            return torch.empty_like(x).copy_(x)
-        g = _gen(seed)
-        shift = int(torch.randint(1, x.numel(), (1,), generator=g))
-        rolled = x.reshape(-1).roll(shift)
-        if x.is_floating_point():
-            # One pass in x's own dtype (float32 math for 16-bit ones), not a float64 copy.
-            wide = torch.float32 if x.element_size() < 4 else x.dtype
-            noise = torch.randn(rolled.shape, generator=_gen(_sub_seed(g), x.device), device=x.device, dtype=wide)
-            rolled = noise.mul_(JITTER).add_(1.0).mul_(rolled).to(x.dtype)
-        if x.is_contiguous():  # already new memory laid out like x: no copy pass
-            return rolled.view(x.shape)
-        return torch.empty_like(x).copy_(rolled.view(x.shape))
-    if isinstance(x, dict):
-        return {k: vary(v, seed + 7919 * (i + 1), fixed_ints) for i, (k, v) in enumerate(x.items())}
-    if isinstance(x, (list, tuple)):
-        return type(x)(vary(v, seed + 104729 * (i + 1), fixed_ints) for i, v in enumerate(x))
-    return x
-
-
-def vary_set(args: list, kwargs: dict, seed: int, fixed_ints: bool = False) -> tuple[list, dict]:
-    """(args, kwargs) of a fresh input set drawn from a frozen one already on the device."""
-    return vary(list(args), seed, fixed_ints), vary(dict(kwargs), seed ^ 0x5DEECE66D, fixed_ints)
-
-
 class WrittenInPlace:
     """Fresh input sets for timed repetitions in which an input the call writes into (a KV
     cache) keeps one address from the second repetition on, its fresh values copied in: a served

@@ -125,7 +125,7 @@ def fresh_draws(forward, input_set: dict, device: torch.device, seeded: bool) ->
     must keep the integer inputs as frozen for `forward` to run on them, and why it cannot run
     even then (None: it can). Rolled, EmbeddingBag's offsets start elsewhere than 0, and every
     trial, the original's own forward included, was lost."""
-    from sandbox.worker_tensors import vary_set
+    from tools.draws import vary_set
     why = None
     for fixed in (False, True):
         try:
