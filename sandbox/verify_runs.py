@@ -95,9 +95,9 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
                 mutated["frozen"].append(i)
         for item in req.get("fresh", []):
             base = w._device_set(p, item["set"])
-            args, kwargs = T.vary_set(*base, int(item["seed"]), p.get("fixed_ints", False))
+            args, kwargs = T.fresh_set(p, *base, int(item["seed"]))
             call(f"fresh {item['set']}", module, args, kwargs, None, [])
-            again = T.vary_set(*base, int(item["seed"]), p.get("fixed_ints", False))
+            again = T.fresh_set(p, *base, int(item["seed"]))
             if T.changed_from([args, kwargs], [again[0], again[1]]):
                 mutated["fresh"].append(item["set"])
         moved: list[str] = []

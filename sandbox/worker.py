@@ -155,7 +155,7 @@ class Worker:
         # reduce-overhead re-record its CUDA graphs in half of its timed calls.
         make = self.in_place.setdefault((req.get("problem"), req["set"], bool(req.get("control"))),
                                         T.WrittenInPlace(None))
-        make.draw = lambda j: T.vary_set(base_args, base_kwargs, seed + 1000003 * j, p.get("fixed_ints", False))
+        make.draw = lambda j: T.fresh_set(p, base_args, base_kwargs, seed + 1000003 * j)
         if self.role == "reference" or req.get("control"):
             region, fwd = p["region"], p["forward"]
             call = lambda a: fwd(region, *a[0], **a[1])  # noqa: E731

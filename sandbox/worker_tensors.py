@@ -14,7 +14,7 @@ import copy
 import warnings
 from typing import Any
 
-from tools.draws import JITTER, _gen, _sub_seed, vary, vary_set  # noqa: F401 (the workers' T.vary_set)
+from tools.draws import _gen, _sub_seed, vary, vary_set  # noqa: F401 (vary: tests call T.vary)
 
 PERTURB = 0.25
 """Size of a parameter perturbation, relative to the parameter's own spread."""
@@ -249,6 +249,12 @@ def tensors_map(m) -> dict:
 
 
 # -- drawn from a seed --------------------------------------------------------------------
+def fresh_set(p: dict, args: list, kwargs: dict, seed: int) -> tuple[list, dict]:
+    """A fresh input set for registered problem `p` (a worker's): its integer inputs kept as
+    frozen where the freeze found they must be (Problem.fixed_ints)."""
+    return vary_set(args, kwargs, seed, p.get("fixed_ints", False))
+
+
 class WrittenInPlace:
     """Fresh input sets for timed repetitions in which an input the call writes into (a KV
     cache) keeps one address from the second repetition on, its fresh values copied in: a served

@@ -121,7 +121,7 @@ FIXED_INTS_NOTE = ("fresh inputs keep its integer inputs as frozen (floats still
 
 
 def fresh_draws(forward, input_set: dict, device: torch.device, seeded: bool) -> tuple[bool, str | None]:
-    """(fixed_ints, why not): whether the sandbox's fresh input draws (sandbox/worker_tensors.py)
+    """(fixed_ints, why not): whether the sandbox's fresh input draws (tools/draws.py)
     must keep the integer inputs as frozen for `forward` to run on them, and why it cannot run
     even then (None: it can). Rolled, EmbeddingBag's offsets start elsewhere than 0, and every
     trial, the original's own forward included, was lost."""
