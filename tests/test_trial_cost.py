@@ -3,6 +3,7 @@ set's reference answers are computed once, and bench/trial_cost.py prints a tria
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -269,6 +270,7 @@ def test_the_checksum_from_one_period_equals_the_sum_over_the_whole_key(monkeypa
     leaves of any dtype that start at any phase of the key and span several blocks."""
     from tools import timing
     monkeypatch.setattr(timing, "CHECKSUM_ROWS", 3)  # blocks of 3 periods: every leaf spans several
+    monkeypatch.setattr(timing, "CPU_BLOCK", 3 * timing.KEY_PERIOD)  # (the CPU's block size)
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(5, 7, generator=g), None, torch.randn(40000, generator=g).to(torch.bfloat16),
               torch.zeros(0), torch.randn(3, 8001, generator=g).t(), torch.randint(-9, 9, (7919,), generator=g)]
@@ -281,6 +283,35 @@ def test_the_checksum_from_one_period_equals_the_sum_over_the_whole_key(monkeypa
         assert got == pytest.approx(want, rel=1e-5, abs=1e-5 * float(flat.sum()))
         assert float(timing.checksum(leaves, whole)) == pytest.approx(want, rel=1e-5, abs=1e-5 * float(flat.sum()))
     assert timing.checksum_period(10, 3, "cpu").numel() == 10 and timing.checksum_period(10**9, 3, "cpu").numel() == 7919
+
+
+def test_comparing_long_outputs_a_block_at_a_time_gives_the_exact_numbers(monkeypatch):
+    """The tuner's comparisons of a candidate's outputs (verification, spot checks) go a block
+    at a time (whole-tensor float32 passes over a long prefill's output took 0.5 s of the tuner's
+    CPU per comparison): the same worst difference and reference magnitude as the exact path,
+    NaN and infinities still sorted by it, and a reference already in float32 never written."""
+    from tools import verify
+    monkeypatch.setattr(verify, "BLOCK", 1000)
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        ref = (torch.randn(7, 1433, generator=g) * 3).to(dt)
+        out = (ref.float() + torch.randn(7, 1433, generator=g) * 0.01).to(dt)
+        kept = ref.clone()
+        d = verify.diff([out, None], [ref, torch.ones(3)])
+        assert d.max_abs == pytest.approx(float((out.double() - ref.double()).abs().max()), rel=1e-6)
+        assert d.ref_max == pytest.approx(float(ref.double().abs().max()), rel=1e-6) and d.bad_nonfinite == 0
+        assert torch.equal(ref, kept)
+        assert verify._blockwise(out, ref, torch.float32) is not None  # the block path answered
+        for where, o_val, r_val in ((9000, math.nan, None), (4, math.inf, math.inf), (5000, 1.0, math.nan)):
+            o, r = out.clone(), ref.clone()
+            o.view(-1)[where] = o_val
+            if r_val is not None:
+                r.view(-1)[where] = r_val
+            monkeypatch.setattr(verify, "BLOCK", 1 << 40)
+            exact = verify.diff([o], [r])
+            monkeypatch.setattr(verify, "BLOCK", 1000)
+            assert verify._blockwise(o, r, torch.float32) is None and verify.diff([o], [r]) == exact
+        assert verify.diff([out[:, :1000]], [ref[:, :1000].t().contiguous().t()]).max_abs < 0.1  # strided
 
 
 def test_a_runs_kept_copies_are_memory_reserved_after_its_first_call():
