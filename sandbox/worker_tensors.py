@@ -10,14 +10,11 @@ tuner never has to ship them.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any
 
-from tools.draws import _gen, _sub_seed, vary, vary_set  # noqa: F401 (vary: tests call T.vary)
+from tools.draws import perturbed, tensors_map, vary, vary_set  # noqa: F401 (the worker and tests call them as T.*)
 
-PERTURB = 0.25
-"""Size of a parameter perturbation, relative to the parameter's own spread."""
 
 
 SENTINEL = 7777.0
@@ -244,10 +241,6 @@ def identical(a: list, b: list) -> bool:
         for x, y in zip(a, b))
 
 
-def tensors_map(m) -> dict:
-    return dict(list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)))
-
-
 # -- drawn from a seed --------------------------------------------------------------------
 def fresh_set(p: dict, args: list, kwargs: dict, seed: int) -> tuple[list, dict]:
     """A fresh input set for registered problem `p` (a worker's): its integer inputs kept as
@@ -291,28 +284,3 @@ def _swap(x: Any, into: dict) -> Any:
     return x
 
 
-def perturbed(module: Any, seed: int) -> Any:
-    """A copy of `module` whose floating parameters and buffers are moved at random: positive
-    tensors (norm scales, variances) multiplied by exp(N(0, 0.25)), others shifted by
-    0.25 x their spread (1 for a constant tensor, so an all-zero bias becomes one). A candidate
-    that ignores a parameter, or assumes it is one or zero, computes something else here.
-    Drawn where the tensor lives, in float32 (float64 for float64 tensors): on a GPU the host
-    never touches the weights, and the same seed on the same kind of device gives the same bits."""
-    import torch
-    copy_ = copy.deepcopy(module)
-    g = _gen(seed)
-    with torch.no_grad():
-        for name, t in sorted(tensors_map(copy_).items()):
-            if not t.is_floating_point() or not t.numel():
-                continue
-            wide = torch.float64 if t.dtype == torch.float64 else torch.float32
-            base = t.detach().to(wide)
-            noise = torch.randn(base.shape, generator=_gen(_sub_seed(g), t.device), device=t.device, dtype=wide)
-            if bool((base > 0).all()):
-                new = noise.mul_(PERTURB).exp_().mul_(base)
-            else:
-                spread = float(base.std()) if base.numel() > 1 else 0.0
-                spread = spread or float(base.abs().mean()) or 1.0
-                new = noise.mul_(PERTURB * spread).add_(base)
-            t.copy_(new)
-    return copy_

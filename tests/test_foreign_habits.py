@@ -14,7 +14,11 @@ the sandbox had lost, refused or misjudged:
   (floats still move); rolled, the original itself raised and every trial was lost;
 - a region torch's fast path hands nested tensors (TransformerEncoder with a padding mask):
   skipped with the reason, and the encoder around them frozen whole (a traceback had ended the
-  whole tune).
+  whole tune);
+- a TorchScript submodule: profiled within its parent, never frozen alone (a traceback had ended
+  the tune before anything was frozen);
+- an Embedding with max_norm, which rewrites its weights when they move: skipped with the reason
+  (every candidate, the original's own forward included, read `mutated_input`).
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ def get_init_inputs():
 
 def get_inputs():
     return [torch.randn(4, 16)]
+
+def get_init_inputs():
+    return []
 """
 
 BLOCKS = """
@@ -208,6 +215,9 @@ def get_init_inputs():
 
 def get_inputs():
     return [torch.randn(4, 16)]
+
+def get_init_inputs():
+    return []
 """
 
 # Right logits, a cache holding other keys: the next decode step would read them.
@@ -267,6 +277,9 @@ def get_init_inputs():
 
 def get_inputs():
     return [torch.randn(4, 16)]
+
+def get_init_inputs():
+    return []
 """
 
 
@@ -311,3 +324,91 @@ def test_integer_inputs_that_must_stay_ordered_are_kept_in_fresh_draws(tmp_path)
     trials = _judged([tmp_path / "problems" / problem.name, tmp_path / "model"], (problem.name, OWN), ("model", OWN))
     for t in trials:
         assert t.status is Status.ok, (t.status, t.reason, t.error_text[-600:])
+
+
+SCRIPTED = """
+import torch
+from torch import nn
+
+class Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x) * torch.sigmoid(self.b(x))
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.jit.script(Gate())
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.gate(x))
+
+def get_inputs():
+    return [torch.randn(4, 16)]
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_torchscript_submodule_is_profiled_within_its_parent_and_never_frozen_alone(tmp_path):
+    """TorchScript modules take no Python hooks: profiling a model holding one ended `agent tune`
+    with a traceback before anything was frozen (a CPU sweep, 2026-12-05)."""
+    from test_failsoft import CEILINGS
+    from tools.profiler import profile_model
+    loaded = load_model(_write(tmp_path, "scripted.py", SCRIPTED), "cpu")
+    result = profile_model(loaded, "cpu", None, CEILINGS, iters=1, warmup=1)
+    assert {r.path for r in result.rows} >= {"", "out"} and "gate" not in {r.path for r in result.rows}
+    problems, skipped = freeze(loaded, [RegionChoice("RecursiveScriptModule"), RegionChoice("Model")],
+                               tmp_path / "problems", torch.device("cpu"))
+    assert [p.region_class for p in problems] == ["Model"]
+    assert "TorchScript" in dict((s.class_name, s.reason) for s in skipped)["RecursiveScriptModule"], skipped
+    (trial,) = _judged([tmp_path / "problems" / problems[0].name], (problems[0].name, OWN))
+    assert trial.status is Status.ok, (trial.status, trial.reason, trial.error_text[-600:])
+
+
+MAX_NORM = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self, max_norm=1.0):
+        super().__init__()
+        self.emb = nn.Embedding(100, 8, max_norm=max_norm)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+def get_inputs():
+    return [torch.randint(0, 100, (6, 5), generator=torch.Generator().manual_seed(0))]
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_forward_that_rewrites_its_weights_once_they_move_is_skipped_with_the_reason(tmp_path):
+    """An Embedding with max_norm renormalizes the rows it looks up in place: verification, which
+    moves the weights, refused every candidate of such a model as `mutated_input`, the original's
+    own forward and torch.compile of it included (a CPU sweep, 2026-12-05). Now the regions that do
+    it, and the whole model, are skipped with the reason; the same model without max_norm is not."""
+    loaded = load_model(_write(tmp_path, "max_norm.py", MAX_NORM), "cpu")
+    problems, skipped = freeze(loaded, [RegionChoice("Model"), RegionChoice("Embedding"), RegionChoice("Linear")],
+                               tmp_path / "problems", torch.device("cpu"))
+    reasons = {s.class_name: s.reason for s in skipped}
+    assert [p.region_class for p in problems] == ["Linear"], reasons
+    for name, written in (("Model", "emb.weight"), ("Embedding", "weight")):
+        assert "rewrites its own parameters" in reasons[name] and f"({written})" in reasons[name], reasons
+    try:
+        freeze_model(loaded, tmp_path / "model", torch.device("cpu"))
+        raise AssertionError("the whole model was frozen")
+    except ValueError as e:
+        assert "rewrites its own parameters" in str(e) and "emb.weight" in str(e)
+    plain = load_model(_write(tmp_path, "plain.py", MAX_NORM.replace("max_norm=1.0", "max_norm=None")), "cpu")
+    problems, skipped = freeze(plain, [RegionChoice("Model")], tmp_path / "plain", torch.device("cpu"))
+    assert len(problems) == 1 and not skipped, skipped

@@ -27,6 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tools.fingerprint import instance_fingerprint
+from tools.fixed_answer import fresh_draws, rewrites_when_moved
 from tools.footprint import Admission, DoesNotFit
 from tools.graph import region_facts, signature_facts
 from tools.inplace import inplace_paths
@@ -116,26 +117,12 @@ def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: di
     return max(traffic_ms, flops / (ceilings["matmul_tflops"] * 1e12) * 1e3)
 
 
+REWRITES = "its forward rewrites its own parameters or buffers once they differ from the frozen ones"
+REWRITES_WHY = (": verification moves them, and would refuse every candidate, the original's own forward included "
+                "(an Embedding with max_norm renormalizes the rows it looks up, for one)")
+
 FIXED_INTS_NOTE = ("fresh inputs keep its integer inputs as frozen (floats still move): rolled, its own forward "
                    "raised on them (offsets or lengths that must stay ordered)")
-
-
-def fresh_draws(forward, input_set: dict, device: torch.device, seeded: bool) -> tuple[bool, str | None]:
-    """(fixed_ints, why not): whether the sandbox's fresh input draws (tools/draws.py)
-    must keep the integer inputs as frozen for `forward` to run on them, and why it cannot run
-    even then (None: it can). Rolled, EmbeddingBag's offsets start elsewhere than 0, and every
-    trial, the original's own forward included, was lost."""
-    from tools.draws import vary_set
-    why = None
-    for fixed in (False, True):
-        try:
-            args, kwargs = vary_set(*call_args(input_set, device), 0x5EED, fixed)
-            with torch.no_grad(), (seeded_rng(device) if seeded else contextlib.nullcontext()):
-                forward(*args, **kwargs)
-            return fixed, None
-        except Exception as e:
-            why = f"{type(e).__name__}: {str(e)[:200]}"
-    return False, why
 
 
 def _unusual_layout(tensors: list) -> str | None:
@@ -196,6 +183,9 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
         return Skipped(choice.class_name, f"several classes have this name ({', '.join(kinds[:3])})")
     rep = paths[0]
     module = loaded.model.get_submodule(rep)
+    if isinstance(module, torch.jit.ScriptModule):
+        return Skipped(choice.class_name, "a TorchScript module (torch.jit.script or trace): its calls cannot be "
+                       "recorded, and a candidate cannot replace its forward")
     state = module_state(module)
     admission = Admission(device, sum(t.numel() * t.element_size() for t in state.values()),
                           copies=device.type != "cpu")
@@ -266,6 +256,9 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
     fixed_ints, why = fresh_draws(lambda *a, **k: type(alone).forward(alone, *a, **k), inputs[0], device, random)
     if why:
         return Skipped(choice.class_name, f"its own forward raises on fresh inputs drawn from the frozen ones ({why})")
+    if rewritten := rewrites_when_moved(alone, lambda m, a, k: type(m).forward(m, *a, **k), inputs[0], device,
+                                        random, fixed_ints):
+        return Skipped(choice.class_name, f"{REWRITES} ({', '.join(rewritten[:3])}){REWRITES_WHY}")
     if fixed_ints:
         notes.append(FIXED_INTS_NOTE)
     if kinds := _train_only(loaded, module):

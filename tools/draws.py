@@ -8,7 +8,11 @@ original before any trial.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+PERTURB = 0.25
+"""Spread of perturbed parameters: exp(N(0, PERTURB)) as a factor, or PERTURB x their spread added."""
 
 JITTER = 2.0 ** -6
 """Relative jitter of fresh float inputs: a new value everywhere, the same distribution."""
@@ -56,3 +60,34 @@ def vary(x: Any, seed: int, fixed_ints: bool = False) -> Any:
 def vary_set(args: list, kwargs: dict, seed: int, fixed_ints: bool = False) -> tuple[list, dict]:
     """(args, kwargs) of a fresh input set drawn from a frozen one already on the device."""
     return vary(list(args), seed, fixed_ints), vary(dict(kwargs), seed ^ 0x5DEECE66D, fixed_ints)
+
+
+def tensors_map(m) -> dict:
+    return dict(list(m.named_parameters(remove_duplicate=False)) + list(m.named_buffers(remove_duplicate=False)))
+
+
+def perturbed(module: Any, seed: int) -> Any:
+    """A copy of `module` whose floating parameters and buffers are moved at random: positive
+    tensors (norm scales, variances) multiplied by exp(N(0, 0.25)), others shifted by
+    0.25 x their spread (1 for a constant tensor, so an all-zero bias becomes one). A candidate
+    that ignores a parameter, or assumes it is one or zero, computes something else here.
+    Drawn where the tensor lives, in float32 (float64 for float64 tensors): on a GPU the host
+    never touches the weights, and the same seed on the same kind of device gives the same bits."""
+    import torch
+    copy_ = copy.deepcopy(module)
+    g = _gen(seed)
+    with torch.no_grad():
+        for name, t in sorted(tensors_map(copy_).items()):
+            if not t.is_floating_point() or not t.numel():
+                continue
+            wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+            base = t.detach().to(wide)
+            noise = torch.randn(base.shape, generator=_gen(_sub_seed(g), t.device), device=t.device, dtype=wide)
+            if bool((base > 0).all()):
+                new = noise.mul_(PERTURB).exp_().mul_(base)
+            else:
+                spread = float(base.std()) if base.numel() > 1 else 0.0
+                spread = spread or float(base.abs().mean()) or 1.0
+                new = noise.mul_(PERTURB * spread).add_(base)
+            t.copy_(new)
+    return copy_

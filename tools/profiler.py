@@ -106,6 +106,8 @@ def _module_hooks(model: torch.nn.Module, on_enter, on_exit):
     handles = []
     try:
         for path, mod in model.named_modules():
+            if isinstance(mod, torch.jit.ScriptModule):  # TorchScript takes no Python hooks: its time is its parent's
+                continue
             handles.append(mod.register_forward_pre_hook(partial(on_enter, path), with_kwargs=True))
             handles.append(mod.register_forward_hook(partial(on_exit, path), with_kwargs=True,
                                                      always_call=True))
