@@ -18,7 +18,9 @@ the sandbox had lost, refused or misjudged:
 - a TorchScript submodule: profiled within its parent, never frozen alone (a traceback had ended
   the tune before anything was frozen);
 - an Embedding with max_norm, which rewrites its weights when they move: skipped with the reason
-  (every candidate, the original's own forward included, read `mutated_input`).
+  (every candidate, the original's own forward included, read `mutated_input`);
+- a dataclass as the model's input, or dynamically quantized Linears: no end-to-end reference,
+  and the freeze says why (integration's every way had been `lost` in the sandbox).
 """
 
 from __future__ import annotations
@@ -412,3 +414,65 @@ def test_a_forward_that_rewrites_its_weights_once_they_move_is_skipped_with_the_
     plain = load_model(_write(tmp_path, "plain.py", MAX_NORM.replace("max_norm=1.0", "max_norm=None")), "cpu")
     problems, skipped = freeze(plain, [RegionChoice("Model")], tmp_path / "plain", torch.device("cpu"))
     assert len(problems) == 1 and not skipped, skipped
+
+
+OBJECT_INPUT = """
+import dataclasses
+import torch
+from torch import nn
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, batch):
+        return self.fc(batch.x)
+
+def get_inputs():
+    return [Batch(torch.randn(3, 8))]
+
+def get_init_inputs():
+    return []
+"""
+
+QUANTIZED = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.ao.quantization.quantize_dynamic(nn.Sequential(nn.Linear(8, 8)), {nn.Linear}, dtype=torch.qint8)
+
+    def forward(self, x):
+        return self.net(x)
+
+def get_inputs():
+    return [torch.randn(3, 8)]
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_whole_model_the_sandbox_cannot_rebuild_has_no_end_to_end_reference_and_says_why(tmp_path):
+    """Two models froze whole and then lost integration's every way in the sandbox (a CPU sweep,
+    2026-12-05): one taking a dataclass (its inputs could not be loaded as plain data), one with
+    dynamically quantized Linears (their packed weights are neither parameters nor buffers, so the
+    rebuilt model answered otherwise). Now the freeze says so, and integration exits 2 with it."""
+    import warnings
+    for name, source, why in (("object_input", OBJECT_INPUT, "input[0]: a Batch"),
+                              ("quantized", QUANTIZED, "state outside its parameters and buffers (net.0.")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+            loaded = load_model(_write(tmp_path, f"{name}.py", source), "cpu")
+            try:
+                freeze_model(loaded, tmp_path / name, torch.device("cpu"))
+                raise AssertionError(f"{name}: the whole model was frozen")
+            except ValueError as e:
+                assert why in str(e), str(e)

@@ -17,6 +17,7 @@ from tools.fixed_answer import fresh_draws, rewrites_when_moved
 from tools.inplace import inplace_paths
 from tools.graph import signature_facts
 from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, tensors_in
+from tools.recording import not_plain
 from tools.problem import Problem, TensorSpec, Tolerance, Workload, default_tolerance, tensor_hash
 from tools.region import draws_random, flatten, module_state, seeded_rng
 from tools.verify import diff
@@ -34,12 +35,19 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     (`calibrated_tolerance` unless given). Integration runs candidates for it (the model with
     winners routed in, torch.compile of it) through the same trial path as any region."""
     state, versions = module_state(loaded.model), _versions(loaded.model)
+    if outside := [k for k in loaded.model.state_dict(keep_vars=True) if k not in state]:
+        raise ValueError(f"the model keeps state outside its parameters and buffers ({', '.join(outside[:3])}; "
+                         "quantized weights, for one): the sandbox rebuilds it from those alone, and it would "
+                         "answer otherwise there")
     inputs, reference, workloads = [], [], []
     random = False
     with torch.no_grad():
         for w in loaded.workloads:
             if hasattr(w, "restore"):
                 w.restore()  # a KV cache starts as the workload made it, not as the last forward left it
+            if odd := not_plain(list(w.inputs), "input"):  # the sandbox loads frozen inputs as plain data only
+                raise ValueError(f"the model takes what cannot be frozen as plain data ({odd} on {w.name!r}; tensors, "
+                                 "numbers, strings and lists, tuples and dicts of them can be)")
             input_set = {"args": host_copy(list(w.inputs)), "kwargs": {}}
             out, draws = draws_random(lambda: loaded.model(*w.inputs), device)
             if draws:  # no fixed answer: the model's calls are seeded, here and in every worker

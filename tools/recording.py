@@ -75,6 +75,17 @@ class Recorder:
         return any(t._version != v for t, v in self.shared)
 
 
+def not_plain(x: Any, where: str) -> str | None:
+    """Where `x` holds something Recorder.plain would freeze as absent, and what (None: nowhere)."""
+    if isinstance(x, torch.Tensor) or x is None or isinstance(x, (*PLAIN, torch.Size)):
+        return None
+    if isinstance(x, (list, tuple)):
+        return next((w for i, v in enumerate(x) if (w := not_plain(v, f"{where}[{i}]"))), None)
+    if isinstance(x, dict) and all(isinstance(k, (str, int)) for k in x):
+        return next((w for k, v in x.items() if (w := not_plain(v, f"{where}[{k!r}]"))), None)
+    return f"{where}: a {type(x).__name__}"
+
+
 def _owns_storage(t: torch.Tensor) -> bool:
     """True when the tensor is its storage, so sharing it saves no more than the tensor."""
     try:
