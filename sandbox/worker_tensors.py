@@ -16,7 +16,6 @@ from typing import Any
 from tools.draws import perturbed, tensors_map, vary, vary_set  # noqa: F401 (the worker and tests call them as T.*)
 
 
-
 SENTINEL = 7777.0
 """The finite value freed memory holds on the second verification call of each input set."""
 

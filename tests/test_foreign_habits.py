@@ -79,16 +79,21 @@ def get_inputs():
 """
 
 
+def _own_forward_passes(loaded, region: str, run) -> None:
+    """`region` frozen under `run` (beside the model's folder, which the jail hides) and its own
+    forward judged in the sandbox: it must pass."""
+    (problem,), skipped = freeze(loaded, [RegionChoice(region)], run / "problems", torch.device("cpu"))
+    (ok,) = _judged([run / "problems" / problem.name], (problem.name, OWN))
+    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:], skipped)
+
+
 def test_a_model_that_reads_a_file_beside_its_own_is_built_in_the_sandbox(tmp_path):
     """The worker imports a copy of the model file, pinned to the frozen bytes; its `__file__` is
     the original's, so a config beside it is found (every trial was `lost` before)."""
     src = tmp_path / "src"  # the model's folder, beside the run's (which the jail hides)
     src.mkdir()
     (src / "beside.json").write_text('{"width": 24, "scale": 0.5}')
-    loaded = load_model(_write(src, "beside.py", READS_BESIDE), "cpu")
-    (problem,), _ = freeze(loaded, [RegionChoice("Model")], tmp_path / "run" / "problems", torch.device("cpu"))
-    (ok,) = _judged([tmp_path / "run" / "problems" / problem.name], (problem.name, OWN))
-    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+    _own_forward_passes(load_model(_write(src, "beside.py", READS_BESIDE), "cpu"), "Model", tmp_path / "run")
 
 
 SIBLING = """
@@ -109,9 +114,6 @@ def get_init_inputs():
 
 def get_inputs():
     return [torch.randn(4, 16)]
-
-def get_init_inputs():
-    return []
 """
 
 BLOCKS = """
@@ -134,10 +136,7 @@ def test_a_model_that_imports_a_file_beside_its_own_is_built_in_the_tuner_and_th
     src = tmp_path / "src"
     src.mkdir()
     _write(src, "sibling_blocks.py", BLOCKS)
-    loaded = load_model(_write(src, "sibling.py", SIBLING), "cpu")
-    (problem,), _ = freeze(loaded, [RegionChoice("Scaled")], tmp_path / "run" / "problems", torch.device("cpu"))
-    (ok,) = _judged([tmp_path / "run" / "problems" / problem.name], (problem.name, OWN))
-    assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
+    _own_forward_passes(load_model(_write(src, "sibling.py", SIBLING), "cpu"), "Scaled", tmp_path / "run")
 
 
 ENCODER = """
@@ -217,9 +216,6 @@ def get_init_inputs():
 
 def get_inputs():
     return [torch.randn(4, 16)]
-
-def get_init_inputs():
-    return []
 """
 
 # Right logits, a cache holding other keys: the next decode step would read them.
@@ -279,9 +275,6 @@ def get_init_inputs():
 
 def get_inputs():
     return [torch.randn(4, 16)]
-
-def get_init_inputs():
-    return []
 """
 
 

@@ -27,7 +27,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tools.fingerprint import instance_fingerprint
-from tools.fixed_answer import fresh_draws, rewrites_when_moved
+from tools.fixed_answer import FIXED_INTS_NOTE, fresh_draws, rewrites_reason, rewrites_when_moved
 from tools.footprint import Admission, DoesNotFit
 from tools.graph import region_facts, signature_facts
 from tools.inplace import inplace_paths
@@ -115,14 +115,6 @@ def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: di
             f"FLOP count: unknown ({type(e).__name__}: {str(e)[:120]}); the floor counts bytes only")
         return traffic_ms
     return max(traffic_ms, flops / (ceilings["matmul_tflops"] * 1e12) * 1e3)
-
-
-REWRITES = "its forward rewrites its own parameters or buffers once they differ from the frozen ones"
-REWRITES_WHY = (": verification moves them, and would refuse every candidate, the original's own forward included "
-                "(an Embedding with max_norm renormalizes the rows it looks up, for one)")
-
-FIXED_INTS_NOTE = ("fresh inputs keep its integer inputs as frozen (floats still move): rolled, its own forward "
-                   "raised on them (offsets or lengths that must stay ordered)")
 
 
 def _unusual_layout(tensors: list) -> str | None:
@@ -258,7 +250,7 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
         return Skipped(choice.class_name, f"its own forward raises on fresh inputs drawn from the frozen ones ({why})")
     if rewritten := rewrites_when_moved(alone, lambda m, a, k: type(m).forward(m, *a, **k), inputs[0], device,
                                         random, fixed_ints):
-        return Skipped(choice.class_name, f"{REWRITES} ({', '.join(rewritten[:3])}){REWRITES_WHY}")
+        return Skipped(choice.class_name, rewrites_reason("its forward", rewritten))
     if fixed_ints:
         notes.append(FIXED_INTS_NOTE)
     if kinds := _train_only(loaded, module):

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import torch
 
-from tools.capture import (FIXED_INTS_NOTE, REWRITES, REWRITES_WHY, _eval_note, _source, _state_written,
-                           _train_only, _versions, model_bytes)
-from tools.fixed_answer import fresh_draws, rewrites_when_moved
+from tools.capture import _eval_note, _source, _state_written, _train_only, _versions, model_bytes
+from tools.fixed_answer import FIXED_INTS_NOTE, fresh_draws, rewrites_reason, rewrites_when_moved
 from tools.inplace import inplace_paths
 from tools.graph import signature_facts
 from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, tensors_in
@@ -92,7 +91,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     if why:
         raise ValueError(f"the model raises on fresh inputs drawn from the frozen ones ({why})")
     if rewritten := rewrites_when_moved(model, lambda m, a, k: m(*a, **k), inputs[0], device, random, fixed_ints):
-        raise ValueError(f"{REWRITES.replace('its forward', 'the model')} ({', '.join(rewritten[:3])}){REWRITES_WHY}")
+        raise ValueError(rewrites_reason("the model", rewritten))
     problem = Problem(
         name=MODEL_PROBLEM, region_class=type(model).__qualname__, region_path="", instances=[""],
         region_source=_source(type(model)), model_file=str(loaded.path), model_hash=file_sha256(loaded.path),

@@ -17,6 +17,18 @@ from tools.region import call_args, seeded_rng
 MOVED_SEED = 0x5EED
 """The seed of the freeze's own fresh draw and parameter move (verification draws its own)."""
 
+FIXED_INTS_NOTE = ("fresh inputs keep its integer inputs as frozen (floats still move): rolled, its own forward "
+                   "raised on them (offsets or lengths that must stay ordered)")
+
+
+def rewrites_reason(subject: str, names: list[str]) -> str:
+    """Why a region (`subject`: "its forward") or the model ("the model") has no fixed answer
+    when `rewrites_when_moved` found `names`."""
+    return (f"{subject} rewrites its own parameters or buffers once they differ from the frozen ones "
+            f"({', '.join(names[:3])}): verification moves them, and would refuse every candidate, the "
+            "original's own forward included (an Embedding with max_norm renormalizes the rows it looks up, "
+            "for one)")
+
 
 def fresh_draws(forward: Callable, input_set: dict, device: torch.device, seeded: bool) -> tuple[bool, str | None]:
     """(fixed_ints, why not): whether the sandbox's fresh input draws (tools/draws.py)
