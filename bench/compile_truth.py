@@ -21,7 +21,7 @@ Every way compiles at once, then times alone under the host's device lock
 On a GPU the standalone side times two ways: each call alone (a synchronize after it, the GPU
 idle at the next one's start: a user who waits on every call) and queued (calls back to back,
 the L2 flushed before each, one event pair around each: how the harness times a whole model).
-On the H100 (2026-12-05) the per-call script read prefill and small batch 4-10% below the harness,
+On the H100 (2026-12-05) the per-call script read prefill and small batch 4-9% below the harness,
 eager and compiled alike; the queued column compares like with like.
 
 Prints one table: per workload and mode, the harness's speedup over eager with its band, the
