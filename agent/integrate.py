@@ -199,6 +199,7 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
             for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
                 row.baselines[name] = t.candidate_ms if t else None
                 row.baseline_speedups[name] = t.speedup if t else None
+                row.baseline_bands[name] = t.noise_band if t else None
         hello = dict(runner.worker.hello or runner.reference.hello)
     finally:
         pool.close()

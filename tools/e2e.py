@@ -69,6 +69,9 @@ class WorkloadResult(BaseModel):
     each mode with our kernels inside (`nightshift + <mode>`)."""
     baseline_speedups: dict[str, float | None] = Field(default_factory=dict)
     """Each baseline's speedup over eager, timed side by side with eager in one worker."""
+    baseline_bands: dict[str, float | None] = Field(default_factory=dict)
+    """Each baseline's own A/A band in its worker: its times and speedup are as sure as this,
+    which may be wider than the tuned model's `noise_band` (a noisy worker)."""
     floor_ms: float | None = None
 
 

@@ -25,8 +25,10 @@ def render(result: IntegrationResult, console_width: int | None = None):
         cells = [w.name, f"{w.eager_ms:.4f}", _ms(w.tuned_ms), _verdict(w) + ("" if result.accepted else " (A/A)"),
                  f"±{w.noise_band:.1%}"]
         for n in names:
-            ms, sp = w.baselines.get(n), w.baseline_speedups.get(n)
-            cells.append("failed" if ms is None else f"{ms:.4f} ({sp:.2f}x)" if sp else f"{ms:.4f}")
+            ms, sp, band = w.baselines.get(n), w.baseline_speedups.get(n), w.baseline_bands.get(n) or 0.0
+            # A way whose own worker was noisier than the tuned model's shows its own band.
+            sure = f" ±{band:.0%}" if band > max(2 * w.noise_band, 0.02) else ""
+            cells.append("failed" if ms is None else f"{ms:.4f} ({sp:.2f}x{sure})" if sp else f"{ms:.4f}")
         cells.append(f"{w.error:.3g} / {w.tolerance}" if w.error is not None else f"- / {w.tolerance}")
         table.add_row(*cells)
     lines = [table]
