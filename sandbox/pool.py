@@ -18,6 +18,7 @@ the pool's runners (`extra_runners`).
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -59,7 +60,27 @@ def _shared(device: str) -> tuple[Any, list[TrialRunner], HostQuiet]:
         lock = _LOCKS.get(device)
         if lock is None:
             lock = _LOCKS[device] = DeviceLock(device) if device != "cpu" else _CpuLock()
-        return lock, _RUNNERS.setdefault(device, []), _QUIET.setdefault(device, HostQuiet())
+        quiet = _QUIET.get(device) or _QUIET.setdefault(device, HostQuiet(overlap=_judges_beside_timings(device)))
+        return lock, _RUNNERS.setdefault(device, []), quiet
+
+
+OVERLAP_CORES = 8
+"""Host cores from which a GPU's timings no longer wait for the tuner's judges (HostQuiet)."""
+
+
+def _judges_beside_timings(device: str) -> bool:
+    """On a GPU host with OVERLAP_CORES or more, the tuner judges while a worker times: a GPU
+    timing needs its worker's core and the reference worker's, and the tuner's comparisons are
+    kept to a quarter of the cores (torch's threads in this process: nothing else in the tuner
+    computes on the CPU). On the CPU, and on a small host, they take turns."""
+    if device == "cpu":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores < OVERLAP_CORES:
+        return False
+    import torch
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores // 4)))
+    return True
 
 
 SEARCH_COMPILE_THREADS = 1

@@ -350,3 +350,34 @@ def test_a_timing_waits_for_judges_before_it_takes_the_device_lock(monkeypatch):
         th.join(timeout=10)
     assert gpu_free == [True]  # another runner could verify while this timing waited
     assert held_while_timing == [True] and timed_out == ["prefill"]
+
+
+def test_on_a_gpu_host_with_cores_to_spare_judges_run_beside_a_timing(monkeypatch):
+    """On the H100 (16 cores) a search's spot-check comparisons took 0.4 s alone and 3.8 s a
+    trial with the waits for timings: there the tuner's judges, kept to a quarter of the cores,
+    run beside a timing. On the CPU and on a small host they still take turns."""
+    import os
+
+    import torch
+
+    from sandbox import pool
+    from sandbox.device_lock import HostQuiet
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+        assert pool._judges_beside_timings("cuda:0") and torch.get_num_threads() <= 4
+        assert not pool._judges_beside_timings("cpu")
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(4)), raising=False)
+        assert not pool._judges_beside_timings("cuda:0")
+    finally:
+        torch.set_num_threads(threads)
+    quiet, inside = HostQuiet(overlap=True), threading.Barrier(2, timeout=5)
+
+    def judge():
+        with quiet.busy():
+            inside.wait()  # broken (an exception) unless the timing is inside at once too
+    j = threading.Thread(target=judge)
+    j.start()
+    with quiet.timing():
+        inside.wait()
+    j.join(timeout=5)
