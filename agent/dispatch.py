@@ -130,3 +130,26 @@ def region_dispatcher(run: RunFolder, p: Problem, kept: list[CandidateRecord], g
         if t is not None:
             base, new = base + w[c.workload] * t.baseline_ms, new + w[c.workload] * t.baseline_ms / c.speedup
     return rec, (base / new if new > 0 else 1.0)
+
+
+def without_workloads(run: RunFolder, p: Problem, rec: CandidateRecord, source: str,
+                      losing: set[str]) -> tuple[CandidateRecord, str] | None:
+    """`rec` (a region's accepted winner, whose `source` it is) on every workload but those in
+    `losing`, where the original runs: the model with our kernels was not faster end to end
+    there (integration). Shapes no workload has run `rec`, as before. None where no workload is
+    left to it or the region's inputs are unreadable."""
+    try:
+        keys = input_keys(p, run.problems_dir / p.name)
+    except (ProblemError, OSError, KeyError):
+        return None
+    choices = [ShapeChoice(w.name, keys[i], None if w.name in losing else rec) for i, w in enumerate(p.workloads)]
+    if not any(c.record is not None for c in choices):
+        return None
+    source = dispatch_source(choices, {rec.candidate_hash: source}, rec)  # other shapes: as before
+    digest = source_hash(source)
+    run.save_candidate(source, digest)
+    # A compile winner stays one: integration keeps it out of CUDA-graph and compiled ways.
+    template = rec.template if rec.template == "torch_compile" else "dispatch_by_shape"
+    return CandidateRecord(p.name, digest, template,
+                           {"by_workload": {c.workload: rec.candidate_hash if c.record else "original"
+                                            for c in choices}}, "integrate"), source

@@ -12,6 +12,10 @@ as any region (sandbox/runner.py): load, verify, time.
         regions by expected gain (share of model x (1 - 1/speedup)), their winners best first
         (at most 3): routed in after the ones accepted so far, verified; the first that passes
         is accepted, the rest dropped with the reason; then every way again with those
+    the tuned model not faster on some workloads (on a GPU)?
+        every way with our kernels again, each winner leaving those workloads' shapes to the
+        original's code (the regions were judged by device time; a host-bound model pays the
+        routing's Python)
     the compile modes of the untouched model come from the search's early baselines where a
     tune started them (agent/early_baselines.py)
 
@@ -72,11 +76,14 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
                on_note: Callable[[str], None] = lambda note: None, modes: list[str] | None = None,
                cuda_graphs: bool = True, on_step: Callable[[str], None] = lambda line: None,
                on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None,
-               early: EarlyBaselines | None = None) -> IntegrationResult:
+               early: EarlyBaselines | None = None, reroute: bool | None = None) -> IntegrationResult:
     """`modes`: the torch.compile baselines to time (names of BASELINES; default all). `on_step`:
     a line per trial as it ends (what it was, its verdict, where its seconds went); `on_in_flight`
     gets a callable saying what the running ways are doing. `early`: the baselines started
-    beside the search (agent/early_baselines.py); the ways it finished are not run again."""
+    beside the search (agent/early_baselines.py); the ways it finished are not run again.
+    `reroute` (default: on a GPU, where regions are judged by their kernels' device time): where
+    the tuned model was not faster on some workloads, every way with our kernels again with the
+    original's code on those (`_rerouted`)."""
     model, folder, dev, worker_device = whole_model(run, device)
     notes: list[str] = []
 
@@ -167,6 +174,8 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         final = trials["tuned"]
         if final.status.value != "ok":
             raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
+        if (dev.type == "cuda" if reroute is None else reroute) and (losing := _not_faster(model, final, accepted)):
+            accepted, final = _rerouted(run, pool, accepted, losing, trials, every_way, draw, note, on_step)
         graphed = False
         if (g := trials.get("graphed")) is not None:
             if g.status.value == "ok" and g.speedup and final.speedup and \
@@ -213,6 +222,42 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
                   for p, rec, _ in accepted])
     result.save(run.path)
     return result
+
+
+def _not_faster(model: Problem, final: Trial, accepted: list) -> set[str]:
+    """Workloads where the model with our kernels was not faster than the original beyond the
+    band, when others were: there the original's code should run (its regions were judged by
+    their kernels' device time; a host-bound model pays each routed call's Python too)."""
+    if not accepted:
+        return set()
+    names = {w.name for w, t in zip(model.workloads, final.timings) if t.verdict != "faster"}
+    return names if len(names) < len(final.timings) else set()
+
+
+def _rerouted(run: RunFolder, pool: DevicePool, accepted: list, losing: set[str], trials: dict[str, Trial],
+              every_way: Callable, draw: tuple[int, int], note: Callable[[str], None],
+              on_step: Callable[[str], None]) -> tuple[list, Trial]:
+    """Every way with our kernels again, each region's winner now leaving the `losing` workloads'
+    shapes to the original (agent/dispatch.without_workloads); kept where the tuned model passes
+    again, in place of the first ways (`trials` updated). Returns the accepted winners and the
+    tuned model's trial."""
+    rerouted = []
+    for p, rec, source in accepted:
+        got = dispatch.without_workloads(run, p, rec, source, losing)
+        rerouted.append((p, *got) if got else (p, rec, source))
+    said = ", ".join(sorted(losing))
+    on_step(f"not faster end to end on {said}: every way with our kernels again, the original's code there")
+    again = side_by_side(pool, [w for w in every_way(rerouted) if w[0] not in BASELINES], on_step, draw)
+    if again["tuned"].status.value != "ok":
+        note(f"not faster end to end on {said}; leaving the original's code there failed "
+             f"({_end_to_end(again['tuned'])}): the first routing is timed")
+        return accepted, trials["tuned"]
+    for way in [w for w in trials if w == "graphed" or w.startswith(composed_name(""))]:
+        trials.pop(way)  # of the first routing: replaced, or gone where no kernel is left
+    trials.update(again)
+    note(f"our kernels were not faster end to end on {said}: the original's code runs there "
+         "(the regions were judged by their kernels' device time)")
+    return rerouted, again["tuned"]
 
 
 def _one_by_one(runner: TrialRunner, sourced: list, draw: tuple[int, int], dropped: list[DroppedCandidate],

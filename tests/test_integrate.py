@@ -517,3 +517,37 @@ def test_the_graphed_model_writes_a_cache_in_place_like_the_eager_one(tmp_path):
         assert torch.allclose(got, want, atol=1e-5), call
         assert torch.equal(mine, theirs), f"call {call}: the cache written in place differs"
     assert mod._graphs, "the forward was never captured"
+
+
+def test_where_the_tuned_model_was_not_faster_the_original_runs_there(run, tmp_path, monkeypatch):
+    """On the H100 (2026-12-06) transformers' LlamaModel with our kernels routed ran 0.92x of eager
+    on decode and inside torch.compile 3.3x behind it: the regions were judged by their kernels'
+    device time, and a host-bound model pays each routed call's Python. Where the tuned model is
+    not faster, every way with our kernels runs again with the original's code there."""
+    from types import SimpleNamespace
+
+    from agent import integrate as integ
+    from agent.dispatch import input_keys
+    from tools.runfolder import RunFolder
+    w = [SimpleNamespace(name=n) for n in ("rows8", "rows32")]
+    timed = lambda *verdicts: SimpleNamespace(timings=[SimpleNamespace(verdict=v) for v in verdicts])  # noqa: E731
+    model = SimpleNamespace(workloads=w)
+    assert integ._not_faster(model, timed("faster", "no change"), ["a region"]) == {"rows32"}
+    assert integ._not_faster(model, timed("slower", "no change"), ["a region"]) == set()  # nothing to keep
+    assert integ._not_faster(model, timed("faster", "slower"), []) == set()
+    folder, _ = run
+    shutil.copytree(folder.path, tmp_path / "run")
+    # The CPU's timings decide nothing here: rows32 is the workload our kernels lost.
+    monkeypatch.setattr(integ, "_not_faster", lambda m, final, accepted: {"rows32"} if accepted else set())
+    steps: list[str] = []
+    result = integ.integrate(tmp_path / "run", "cpu", baselines=False, on_step=steps.append, reroute=True)
+    assert any(s.startswith("not faster end to end on rows32") for s in steps), steps
+    assert any("the original's code runs there" in n for n in result.notes), result.notes
+    (acc,) = [a for a in result.accepted if a.region == "RMSNorm"]
+    source = Path(acc.candidate_path).read_text()
+    keys = input_keys(next(p for p in RunFolder.open(tmp_path / "run").problems() if p.name == "RMSNorm"),
+                      tmp_path / "run" / "problems" / "RMSNorm")
+    namespace: dict = {}
+    exec(source[source.index("_TABLE = {"):source.index("_DEFAULT")], namespace)
+    assert [namespace["_TABLE"][k] for k in keys] == [0, None]  # the winner on rows8, the original on rows32
+    assert [x.name for x in result.workloads] == ["rows8", "rows32"] and all(x.tuned_ms for x in result.workloads)
