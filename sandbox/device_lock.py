@@ -75,11 +75,13 @@ class DeviceLock:
 class HostQuiet:
     """A timing against the tuner's own heavy CPU work beside it: judging a trial's outputs runs
     outside the device lock (CPU work, on every core torch has), and while another runner timed a
-    host-bound model, it took that worker's cores. Timings hold it alone (`timing`); judges share
-    it (`busy`), wait while a timing runs, and a waiting timing lets no new judge start.
-    `overlap`: judges and timings run at once (a GPU host with cores to spare, the judges kept to
-    a share of them, sandbox/pool.py): there the waits cost a search on the H100 a fifth of its
-    lanes' time (spot-check comparisons 0.4 s alone, 3.8 s a trial with the waits)."""
+    host-bound model, it took that worker's cores. An exclusive timing holds it alone (`timing`);
+    judges share it (`busy`), wait while an exclusive timing runs, and one waiting lets no new
+    judge start. Every timing is exclusive, unless `overlap` (a GPU host with cores to spare, the
+    judges kept to a share of them, sandbox/pool.py): there only a whole model's is, whose time
+    includes its host's launches; a region's kernels are timed on the device beside the judges.
+    The waits had cost a search on the H100 a fifth of its lanes' time (spot-check comparisons
+    0.4 s a trial alone, 3.8 s with the waits, 2026-12-06)."""
 
     def __init__(self, overlap: bool = False):
         self.overlap = overlap
@@ -90,9 +92,6 @@ class HostQuiet:
 
     @contextlib.contextmanager
     def busy(self):
-        if self.overlap:
-            yield
-            return
         with self.cond:
             while self.timing_now or self.timings_waiting:
                 self.cond.wait()
@@ -105,8 +104,8 @@ class HostQuiet:
                 self.cond.notify_all()
 
     @contextlib.contextmanager
-    def timing(self):
-        if self.overlap:
+    def timing(self, whole_model: bool = True):
+        if self.overlap and not whole_model:
             yield
             return
         with self.cond:

@@ -69,10 +69,12 @@ OVERLAP_CORES = 8
 
 
 def _judges_beside_timings(device: str) -> bool:
-    """On a GPU host with OVERLAP_CORES or more, the tuner judges while a worker times: a GPU
-    timing needs its worker's core and the reference worker's, and the tuner's comparisons are
-    kept to a quarter of the cores (torch's threads in this process: nothing else in the tuner
-    computes on the CPU). On the CPU, and on a small host, they take turns."""
+    """On a GPU host with OVERLAP_CORES or more, the tuner judges while a worker times a region:
+    its kernels are timed on the device, the timing needs its worker's core and the reference
+    worker's, and the tuner's comparisons are kept to a quarter of the cores (torch's threads in
+    this process: nothing else in the tuner computes on the CPU). A whole model's timing, which
+    counts its host's launches, still waits for the judges; on the CPU and on a small host,
+    every timing does."""
     if device == "cpu":
         return False
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

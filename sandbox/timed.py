@@ -111,14 +111,15 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
         # The tuner's judges finish before the device lock is taken, never while it is held: a
         # timing that waited for a judge under the lock held the GPU idle (about a third of a
         # search's lock time on the H200, 2026-12-05).
-        with r.host_quiet.timing(), r.device_lock, r.quiet():
+        with r.host_quiet.timing(lp.problem.is_whole_model), r.device_lock, r.quiet():
             t0 = time.monotonic()  # a wait for a sibling's verification or timing, or a judge, is lock_wait
             r.phases["lock_wait"] = r.phases.get("lock_wait", 0.0) + t0 - t_wait
             r.step(f"timing {w.name}")  # nothing of a sibling worker runs beside a timing
             out.append(_workload(r, lp, i, w.name, budget_ms, checks))
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
         # The spot checks' answers (the reference worker's, kept by seed) and comparisons: off the
-        # device lock (another runner verifies meanwhile), never beside a timing.
+        # device lock (another runner verifies meanwhile), never beside a whole model's timing
+        # (nor beside any timing where the host has few cores: HostQuiet).
         if checks:
             t_check = time.monotonic()
             with r.host_quiet.busy():

@@ -330,7 +330,7 @@ def test_a_timing_waits_for_judges_before_it_takes_the_device_lock(monkeypatch):
     held_while_timing = []
     monkeypatch.setattr(timed, "_workload",
                         lambda r, lp, i, name, budget, checks: held_while_timing.append(lock.locked()) or name)
-    lp = SimpleNamespace(problem=SimpleNamespace(workloads=[SimpleNamespace(name="prefill")]))
+    lp = SimpleNamespace(problem=SimpleNamespace(workloads=[SimpleNamespace(name="prefill")], is_whole_model=False))
     judging, gpu_free = threading.Event(), []
 
     def judge():
@@ -376,8 +376,12 @@ def test_on_a_gpu_host_with_cores_to_spare_judges_run_beside_a_timing(monkeypatc
     def judge():
         with quiet.busy():
             inside.wait()  # broken (an exception) unless the timing is inside at once too
+            time.sleep(0.3)
     j = threading.Thread(target=judge)
     j.start()
-    with quiet.timing():
+    with quiet.timing(whole_model=False):  # a region's kernels, timed on the device
         inside.wait()
+    t0 = time.monotonic()
+    with quiet.timing(whole_model=True):  # a whole model's time counts its host: the judge ends first
+        assert time.monotonic() - t0 > 0.2 and quiet.judging == 0
     j.join(timeout=5)
