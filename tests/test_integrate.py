@@ -551,3 +551,26 @@ def test_where_the_tuned_model_was_not_faster_the_original_runs_there(run, tmp_p
     exec(source[source.index("_TABLE = {"):source.index("_DEFAULT")], namespace)
     assert [namespace["_TABLE"][k] for k in keys] == [0, None]  # the winner on rows8, the original on rows32
     assert [x.name for x in result.workloads] == ["rows8", "rows32"] and all(x.tuned_ms for x in result.workloads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_model_that_cannot_be_captured_fails_the_graphed_way_instead_of_running_eager(tmp_path):
+    """transformers' LlamaModel's graphed way read 0.86x of eager on the H100 (2026-12-06) with no
+    word of a failed capture: a capture that failed ran the routed model eager under the graphed
+    way's name. It fails the way with the reason now."""
+    import importlib.util
+    from agent.ways import graphed_candidate
+
+    class Syncs(torch.nn.Module):
+        def forward(self, x):
+            return x * float(x.sum().item())  # a host sync: not capturable
+
+    c = graphed_candidate([])
+    path = tmp_path / f"{c.hash}.py"
+    path.write_text(c.source)
+    spec = importlib.util.spec_from_file_location(f"cand_{c.hash}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(RuntimeError, match="could not be captured in a CUDA graph"):
+        mod.forward(Syncs().cuda(), torch.randn(4, device="cuda"))
