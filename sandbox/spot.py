@@ -31,12 +31,14 @@ def _abs_sum(leaves: list) -> float:
     return float(sum(timing.finite_abs(t).double().sum() for t in leaves if t is not None and t.numel()))
 
 
-def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> Callable[[], None]:
+def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int,
+          sums: list[float] | None = None) -> Callable[[], None]:
     """Repetition `j` of the last candidate run (drawn before it, never told to its worker)
     against the original's answer, kept by the reference worker from its run on the same inputs,
-    and against the checksum the run committed to when it replied. The candidate's output is
-    fetched now, under the device lock, before its worker runs anything else; the original's
-    (trusted, kept by seed) and the comparison that raises `Refused` come once the lock is let go."""
+    and against the checksum the run committed to when it replied (`sums`, else the runner's
+    last). The candidate's output is fetched now, before its worker runs another batch (under the
+    device lock, but for a region's last round: sandbox/timed.py); the original's (trusted, kept
+    by seed) and the comparison that raises `Refused` come once the lock is let go."""
     lim, p = r.limits, lp.problem
     kept = r.worker.request({"op": "kept", "indices": [j]}, timeout=lim.run_s)
     if not kept.ok:
@@ -49,7 +51,7 @@ def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> Call
     bad = verify.check_structure(meta, lp.reference[i], r.device.split(":")[0], layouts[i] if i < len(layouts) else None)
     if bad:
         raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")
-    claimed = (getattr(r, "last_checksums", None) or [None] * (j + 1))[j]
+    claimed = (sums if sums is not None else getattr(r, "last_checksums", None) or [None] * (j + 1))[j]
     return lambda: compare(lp, i, j, s, got, _answer(r, lp, i, s, j), claimed)
 
 
