@@ -137,14 +137,14 @@ def without_workloads(run: RunFolder, p: Problem, rec: CandidateRecord, source: 
     """`rec` (a region's accepted winner, whose `source` it is) on every workload but those in
     `losing`, where the original runs: the model with our kernels was not faster end to end
     there (integration). Shapes no workload has run `rec`, as before. None where no workload is
-    left to it or the region's inputs are unreadable."""
+    left to it, none of the region's is in `losing`, or its inputs are unreadable."""
     try:
         keys = input_keys(p, run.problems_dir / p.name)
     except (ProblemError, OSError, KeyError):
         return None
     choices = [ShapeChoice(w.name, keys[i], None if w.name in losing else rec) for i, w in enumerate(p.workloads)]
-    if not any(c.record is not None for c in choices):
-        return None
+    if all(c.record is None for c in choices) or all(c.record is not None for c in choices):
+        return None  # nothing left to it, or no workload of this region lost
     source = dispatch_source(choices, {rec.candidate_hash: source}, rec)  # other shapes: as before
     digest = source_hash(source)
     run.save_candidate(source, digest)

@@ -241,11 +241,16 @@ def _rerouted(run: RunFolder, pool: DevicePool, accepted: list, losing: set[str]
     shapes to the original (agent/dispatch.without_workloads); kept where the tuned model passes
     again, in place of the first ways (`trials` updated). Returns the accepted winners and the
     tuned model's trial."""
-    rerouted = []
+    rerouted, changed = [], False
     for p, rec, source in accepted:
         got = dispatch.without_workloads(run, p, rec, source, losing)
         rerouted.append((p, *got) if got else (p, rec, source))
+        changed = changed or got is not None
     said = ", ".join(sorted(losing))
+    if not changed:
+        note(f"our kernels were not faster end to end on {said}; no region's workloads could leave them "
+             "to the original's code")
+        return accepted, trials["tuned"]
     on_step(f"not faster end to end on {said}: every way with our kernels again, the original's code there")
     again = side_by_side(pool, [w for w in every_way(rerouted) if w[0] not in BASELINES], on_step, draw)
     if again["tuned"].status.value != "ok":

@@ -550,6 +550,13 @@ def test_where_the_tuned_model_was_not_faster_the_original_runs_there(run, tmp_p
     namespace: dict = {}
     exec(source[source.index("_TABLE = {"):source.index("_DEFAULT")], namespace)
     assert [namespace["_TABLE"][k] for k in keys] == [0, None]  # the winner on rows8, the original on rows32
+    from agent.dispatch import without_workloads
+    from agent.history import CandidateRecord
+    rms = next(p for p in RunFolder.open(tmp_path / "run").problems() if p.name == "RMSNorm")
+    rec = CandidateRecord("RMSNorm", "0" * 16, None, {}, "manual")
+    run_folder = RunFolder.open(tmp_path / "run")
+    assert without_workloads(run_folder, rms, rec, "x", {"elsewhere"}) is None  # none of its workloads lost
+    assert without_workloads(run_folder, rms, rec, "x", {"rows8", "rows32"}) is None  # nothing left to it
     assert [x.name for x in result.workloads] == ["rows8", "rows32"] and all(x.tuned_ms for x in result.workloads)
 
 
