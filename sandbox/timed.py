@@ -49,6 +49,10 @@ WARMUP_REPS = 2
 MIN_REPS = 2
 """Repetitions per round when one costs more than the budget allows (a slow call is timed by
 the budget, as do_bench does, not by a count: three rounds of two still give the A/A band)."""
+WHOLE_MODEL_MIN_REPS = 5
+"""...but a whole model on a GPU gets at least this many: the end-to-end verdicts are the run's
+headline, and two calls a round left the example's 35 ms long prefill with bands of ±8% on the
+H100 (2026-12-06: a 4% lead over the compiler read as a tie), for about 1 s more a way."""
 CLAIM_REL = {"cuda": 0.25, "cpu": 0.9}
 """A claimed total may fall this far below the tuner's clock (relative; on the CPU the host's
 own per-call work and other processes' load sit in the clock's time too, so only a claim of
@@ -203,7 +207,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
     est = max(statistics.median(_samples(wb)) + statistics.median(_samples(wc)),
               max(0.0, wall_wb - _upload_ms(wb) + wall_wc - _upload_ms(wc)) / WARMUP_REPS)
     rounds = max(2, lim.rounds)
-    reps = int(max(MIN_REPS, min(lim.max_reps, budget_ms / rounds / max(est, 1e-3))))
+    reps = repetitions(p.is_whole_model, wb.header.get("timing_kind", "cpu"), budget_ms, rounds, est, lim.max_reps)
     # One lead for both sides, in device cycles of the reference worker's calibration, so the
     # two runs' walls differ by their calls' device time and nothing else. The whole model runs
     # without one: what a forward costs there includes the host's launches (a region's kernels
@@ -266,6 +270,13 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
 
 def _fetch_and_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int, sums: list[float]) -> None:
     _spot_check(r, lp, i, s, j, sums)()
+
+
+def repetitions(whole_model: bool, kind: str, budget_ms: float, rounds: int, est_ms: float, most: int) -> int:
+    """Repetitions per round: the budget over the rounds and one repetition's estimated cost, at
+    least MIN_REPS (WHOLE_MODEL_MIN_REPS for a whole model on a GPU), at most `most`."""
+    least = WHOLE_MODEL_MIN_REPS if whole_model and kind == "cuda" else MIN_REPS
+    return int(max(least, min(most, budget_ms / rounds / max(est_ms, 1e-3))))
 
 
 def _clearly_slower(base_runs: list[list[float]], cand_runs: list[list[float]]) -> bool:

@@ -344,3 +344,13 @@ def test_a_runs_kept_copies_are_memory_reserved_after_its_first_call():
     odd = T.Snapshots(2)
     odd.take([torch.ones(3)])
     assert torch.equal(odd.take([torch.arange(5.0)])[0], torch.arange(5.0))
+
+
+def test_a_whole_model_on_a_gpu_is_timed_in_five_calls_a_round_at_least():
+    """The example's long prefill (35 ms a call) got two calls a round within the 400 ms budget,
+    and bands of ±8% on the H100 (2026-12-06); a region, and anything on the CPU, keeps two."""
+    from sandbox.timed import repetitions
+    assert repetitions(True, "cuda", 400, 3, 63.0, 200) == 5
+    assert repetitions(False, "cuda", 400, 3, 63.0, 200) == 2
+    assert repetitions(True, "cpu", 400, 3, 63.0, 200) == 2
+    assert repetitions(True, "cuda", 400, 3, 1.0, 200) == 133  # the budget still rules short calls
