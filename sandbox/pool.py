@@ -18,7 +18,6 @@ the pool's runners (`extra_runners`).
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -60,8 +59,9 @@ def _shared(device: str) -> tuple[Any, list[TrialRunner], HostQuiet]:
         lock = _LOCKS.get(device)
         if lock is None:
             lock = _LOCKS[device] = DeviceLock(device) if device != "cpu" else _CpuLock()
-        quiet = _QUIET.get(device) or _QUIET.setdefault(device, HostQuiet(overlap=_judges_beside_timings(device)))
-        return lock, _RUNNERS.setdefault(device, []), quiet
+        if device not in _QUIET:
+            _QUIET[device] = HostQuiet(overlap=_judges_beside_timings(device))
+        return lock, _RUNNERS.setdefault(device, []), _QUIET[device]
 
 
 OVERLAP_CORES = 8
@@ -77,7 +77,8 @@ def _judges_beside_timings(device: str) -> bool:
     every timing does."""
     if device == "cpu":
         return False
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from tools.devices import host_cores
+    cores = host_cores()
     if cores < OVERLAP_CORES:
         return False
     import torch

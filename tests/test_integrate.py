@@ -482,15 +482,25 @@ def test_generated_model_candidates_render_and_run_without_a_gpu(tmp_path):
     assert "_GRAPHED = _MODE ==" in text
 
 
+def _graphed_module(tmp_path: Path):
+    """The graphed way's source with no routes, imported from a file (Triton reads source files)."""
+    import importlib.util
+    from agent.ways import graphed_candidate
+    c = graphed_candidate([])
+    path = tmp_path / f"{c.hash}.py"
+    path.write_text(c.source)
+    spec = importlib.util.spec_from_file_location(f"cand_{c.hash}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_graphed_model_writes_a_cache_in_place_like_the_eager_one(tmp_path):
     """A CUDA-graph replay writes the static copies of its inputs: a cache the forward updates
     in place must reach the caller's tensor too, call after call (the H200 once refused the
     graphed tuned model because its k cache stayed unwritten)."""
-    import importlib.util
-    from agent.ways import graphed_candidate
-
     class Step(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -500,12 +510,7 @@ def test_the_graphed_model_writes_a_cache_in_place_like_the_eager_one(tmp_path):
             cache[:, pos] = self.proj(x)  # in place, like a KV cache
             return cache[:, : pos + 1].sum(1)
 
-    c = graphed_candidate([])
-    path = tmp_path / f"{c.hash}.py"
-    path.write_text(c.source)
-    spec = importlib.util.spec_from_file_location(f"cand_{c.hash}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _graphed_module(tmp_path)
     model = Step().cuda()
     for call in range(3):  # the first call captures; the others replay
         x = torch.randn(4, 16, device="cuda")
@@ -566,18 +571,10 @@ def test_a_model_that_cannot_be_captured_fails_the_graphed_way_instead_of_runnin
     """transformers' LlamaModel's graphed way read 0.86x of eager on the H100 (2026-12-06) with no
     word of a failed capture: a capture that failed ran the routed model eager under the graphed
     way's name. It fails the way with the reason now."""
-    import importlib.util
-    from agent.ways import graphed_candidate
-
     class Syncs(torch.nn.Module):
         def forward(self, x):
             return x * float(x.sum().item())  # a host sync: not capturable
 
-    c = graphed_candidate([])
-    path = tmp_path / f"{c.hash}.py"
-    path.write_text(c.source)
-    spec = importlib.util.spec_from_file_location(f"cand_{c.hash}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _graphed_module(tmp_path)
     with pytest.raises(RuntimeError, match="could not be captured in a CUDA graph"):
         mod.forward(Syncs().cuda(), torch.randn(4, device="cuda"))

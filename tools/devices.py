@@ -68,6 +68,11 @@ class Ceilings(BaseModel):
 
 # ---------------------------------------------------------------------------- discovery
 
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity where the OS says, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -11,7 +11,6 @@ still would once they have ended.
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -93,8 +92,8 @@ def default_workers_per_gpu(gpus: int) -> int:
     """Workers sharing one GPU: enough that one is always ready to verify or time while the
     others import and compile on the CPU (compiling is the slow part of a cheap trial), but
     no more than the CPU cores can feed: about two cores per worker."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return workers_per_gpu(cores, gpus)
+    from tools.devices import host_cores
+    return workers_per_gpu(host_cores(), gpus)
 
 
 def workers_per_gpu(cores: int, gpus: int) -> int:
