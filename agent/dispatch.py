@@ -153,3 +153,65 @@ def without_workloads(run: RunFolder, p: Problem, rec: CandidateRecord, source: 
     return CandidateRecord(p.name, digest, template,
                            {"by_workload": {c.workload: rec.candidate_hash if c.record else "original"
                                             for c in choices}}, "integrate"), source
+
+
+def _on(rec: CandidateRecord, workload: str, generations: list[str]) -> tuple[float, float, bool] | None:
+    """`rec`'s speedup on one workload (its smallest over the generations), its widest band there,
+    and whether it was faster than the original beyond the band on every generation."""
+    got = [next((t for t in rec.by_generation[g].timings if t.workload == workload), None) for g in generations]
+    if any(t is None for t in got):
+        return None
+    return min(t.speedup for t in got), max(t.noise_band for t in got), all(t.verdict == "faster" for t in got)
+
+
+def beside_the_compiler(problem: Problem, kept: list[CandidateRecord], generations: list[str],
+                        keys: list[str]) -> list[ShapeChoice] | None:
+    """Per workload, the kernel of ours to run inside a compiled model: the fastest kept one that
+    was faster than torch.compile of the region (its best kept compile candidate there) beyond
+    both bands; None (the region's own code, which the model's compiler compiles with what is
+    around it) where none was. None overall where no compile candidate of the region was kept:
+    nothing to judge ours by. The regions were timed apart, so this is the compiled model's
+    region only as far as the compiler's fusion stops at the region's edges."""
+    compiled = [r for r in kept if r.template == "torch_compile" and r.kept(generations)]
+    ours = [r for r in kept if r.template != "torch_compile" and r.kept(generations)]
+    if not compiled:
+        return None
+    out = []
+    for i, w in enumerate(problem.workloads):
+        rivals = [x for x in (_on(r, w.name, generations) for r in compiled) if x is not None]
+        rival = max(rivals, default=None)
+        best, best_s = None, 1.0
+        for rec in ours:
+            got = _on(rec, w.name, generations)
+            if got is None or not got[2]:
+                continue
+            if rival is not None and got[0] <= rival[0] * (1 + max(got[1], rival[1])):
+                continue
+            if got[0] > best_s:
+                best, best_s = rec, got[0]
+        out.append(ShapeChoice(w.name, keys[i], best, best_s))
+    return out
+
+
+def compiled_route(run: RunFolder, p: Problem, kept: list[CandidateRecord], gens: list[str],
+                   source_of: Callable[[CandidateRecord], str | None]) -> tuple[str | None, list[ShapeChoice]] | None:
+    """The region's route inside a compiled model (`beside_the_compiler`): (its source, the
+    choices), the source None where the compiler's code serves every workload; None where there
+    is nothing to judge by (then the region's winner serves, as in the eager model)."""
+    try:
+        choices = beside_the_compiler(p, kept, gens, input_keys(p, run.problems_dir / p.name))
+    except (ProblemError, OSError, KeyError):
+        return None
+    if choices is None:
+        return None
+    picked = {c.record.candidate_hash: c.record for c in choices if c.record is not None}
+    if not picked:
+        return None, choices
+    sources = {h: source_of(rec) for h, rec in picked.items()}
+    if any(s is None for s in sources.values()):
+        return None
+    if len(picked) == 1 and all(c.record is not None for c in choices):
+        return next(iter(sources.values())), choices  # one kernel serves every workload: as it is
+    source = dispatch_source(choices, sources, None)  # shapes no workload has: the region's own code
+    run.save_candidate(source, source_hash(source))
+    return source, choices

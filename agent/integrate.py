@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent import dispatch
-from agent.history import CandidateRecord
+from agent.history import CandidateRecord, History
 from agent.loop import load_history
 from agent.view import times
 from agent.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
@@ -137,9 +137,14 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
              "(torch's own random numbers, checkable against the frozen outputs); a user's torch.compile "
              "draws Inductor's, which may be faster")
 
+    # Inside a compiled model a region's kernel competes with the compiler's code for the region,
+    # not with eager: there each region keeps ours only where it beat torch.compile of the region.
+    compiled_routes = _compiled_routes(run, history, plans, note) if chosen else None
+
     def every_way(accepted: list[tuple[Problem, CandidateRecord, str]]) -> list[tuple[str, Candidate]]:
         return ways_of(accepted, graphed=dev.type == "cuda" and cuda_graphs, baselines=chosen if early is None else [],
-                       composed=chosen, on_step=on_step, eager_rng=model.seeded_calls)
+                       composed=chosen, on_step=on_step, eager_rng=model.seeded_calls,
+                       compiled_routes=compiled_routes)
 
     try:
         # Every region's best winner at once first: every way of running the model, each in a
@@ -222,6 +227,28 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
                   for p, rec, _ in accepted])
     result.save(run.path)
     return result
+
+
+def _compiled_routes(run: RunFolder, history: History, plans: list, note: Callable[[str], None]) -> dict[str, str | None]:
+    """Region name -> its source inside the compiled ways (None: its own code, compiled with the
+    rest), for each planned region with a kept torch.compile candidate to judge ours by
+    (agent/dispatch.compiled_route); what each region runs there is noted."""
+    routes: dict[str, str | None] = {}
+    for _, _, p, _, gens in plans:
+        got = dispatch.compiled_route(run, p, history.kept(p.name), gens, lambda r: _source(run, r)[0])
+        if got is None:
+            continue
+        source, choices = got
+        routes[p.name] = source
+        ours = [c.workload for c in choices if c.record is not None]
+        theirs = [c.workload for c in choices if c.record is None]
+        if not ours:
+            note(f"{p.name}: torch.compile of the region was as fast on every workload, so inside the compiled "
+                 "ways its own code runs, compiled with the rest")
+        elif theirs:
+            note(f"{p.name}: inside the compiled ways our kernel runs on {', '.join(ours)} only; torch.compile "
+                 f"of the region was as fast on {', '.join(theirs)}")
+    return routes
 
 
 def _not_faster(model: Problem, final: Trial, accepted: list) -> set[str]:

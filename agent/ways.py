@@ -74,10 +74,14 @@ def composed_candidate(routes: list[tuple[Problem, str]], mode: str | None, eage
 
 def ways_of(accepted: list[tuple[Problem, CandidateRecord, str]], graphed: bool, baselines: list[str],
             composed: list[str], on_step: Callable[[str], None] = lambda line: None,
-            eager_rng: bool = False) -> list[tuple[str, Candidate]]:
+            eager_rng: bool = False, compiled_routes: dict[str, str | None] | None = None
+            ) -> list[tuple[str, Candidate]]:
     """The ways of running the model with the accepted (region problem, record, source) winners:
     the tuned model, its CUDA-graph capture (`graphed`), the compile `baselines` named and
-    each `composed` mode with our kernels inside (`eager_rng`: see compile_candidate)."""
+    each `composed` mode with our kernels inside (`eager_rng`: see compile_candidate).
+    `compiled_routes`: region name -> its source inside a compiled model (None: the region's own
+    code, compiled with the rest), for the regions judged against torch.compile of the region
+    (agent/dispatch.compiled_route); the others run their winner there too."""
     routes = [(q, s) for q, _, s in accepted]
     ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
     # A winner that is torch.compile of its region is not nested in another capture or compile
@@ -91,8 +95,13 @@ def ways_of(accepted: list[tuple[Problem, CandidateRecord, str]], graphed: bool,
     if graphed and kernels:  # the integration step for launch-bound workloads
         ways.append(("graphed", graphed_candidate(kernels)))
     ways += baseline_ways(baselines, eager_rng)
-    if kernels:  # our kernels inside the compiled model, the way a torch.compile user runs it
-        ways += [(composed_name(name), composed_candidate(kernels, BASELINES[name], eager_rng)) for name in composed]
+    inside = kernels
+    if compiled_routes is not None:
+        inside = [(q, compiled_routes.get(q.name, s)) for q, rec, s in accepted
+                  if q.name in compiled_routes or rec.template != "torch_compile"]
+        inside = [(q, s) for q, s in inside if s is not None]
+    if inside:  # our kernels inside the compiled model, the way a torch.compile user runs it
+        ways += [(composed_name(name), composed_candidate(inside, BASELINES[name], eager_rng)) for name in composed]
     return ways
 
 

@@ -116,3 +116,32 @@ def test_a_first_call_with_no_kernel_of_ours_still_records_the_op(tmp_path):
     assert kernel.CALLS == [(4, 8)] * 4, kernel.CALLS
     assert all("_nightshift_op" in m.__dict__ for m in (net.a, net.b))
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_the_compiled_ways_run_each_regions_route_beside_the_compiler():
+    """The eager model runs every region's winner; the compiled ways run, per region, what beat
+    torch.compile of the region (agent/dispatch.compiled_route): another source, or none of ours
+    (the region's own code, compiled with the rest). A region with nothing to judge by keeps its
+    winner there; one whose winner is torch.compile of the region is never nested."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from agent.ways import ways_of
+
+    def region(name):
+        return SimpleNamespace(name=name, region_class=name)
+
+    def h(source):
+        return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+    triton, compiled = SimpleNamespace(template="rmsnorm"), SimpleNamespace(template="torch_compile")
+    accepted = [(region("A"), triton, "a = 1\n"), (region("B"), triton, "b = 1\n"),
+                (region("C"), triton, "c = 1\n"), (region("D"), compiled, "d = 1\n")]
+    ways = dict(ways_of(accepted, graphed=False, baselines=[], composed=["torch.compile"],
+                        compiled_routes={"A": None, "B": "b = 2\n"}))
+    assert ways["tuned"].params["routes"] == {n: h(f"{n.lower()} = 1\n") for n in "ABCD"}
+    assert ways["nightshift + torch.compile"].params["routes"] == {"B": h("b = 2\n"), "C": h("c = 1\n")}
+    # Where the compiler's code serves every region, no composed way is run: it would be torch.compile's.
+    none_left = dict(ways_of(accepted[:2], graphed=False, baselines=[], composed=["torch.compile"],
+                             compiled_routes={"A": None, "B": None}))
+    assert list(none_left) == ["tuned"]
