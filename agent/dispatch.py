@@ -164,54 +164,32 @@ def _on(rec: CandidateRecord, workload: str, generations: list[str]) -> tuple[fl
     return min(t.speedup for t in got), max(t.noise_band for t in got), all(t.verdict == "faster" for t in got)
 
 
-def beside_the_compiler(problem: Problem, kept: list[CandidateRecord], generations: list[str],
-                        keys: list[str]) -> list[ShapeChoice] | None:
-    """Per workload, the kernel of ours to run inside a compiled model: the fastest kept one that
-    was faster than torch.compile of the region (its best kept compile candidate there) beyond
-    both bands; None (the region's own code, which the model's compiler compiles with what is
-    around it) where none was. None overall where no compile candidate of the region was kept:
-    nothing to judge ours by. The regions were timed apart, so this is the compiled model's
-    region only as far as the compiler's fusion stops at the region's edges."""
+
+def left_to_the_compiler(problem: Problem, kept: list[CandidateRecord], generations: list[str],
+                         rec: CandidateRecord, made: dict[str, CandidateRecord] | None = None) -> set[str] | None:
+    """The region's workloads where, inside a compiled model, its own code should run (compiled
+    with the rest) rather than what its winner `rec` runs there: torch.compile of the region (its
+    best kept compile candidate) was as fast beyond both bands, or the winner runs no kernel of
+    ours there. None where no compile candidate was kept: nothing to judge by. The regions were
+    timed apart, so this judges the compiled model's region only up to its edges, where the
+    compiler's fusion with the code around it would add to its side. `made`: per-shape
+    dispatchers integration built (no trials of their own), by hash: what they run is looked up."""
     compiled = [r for r in kept if r.template == "torch_compile" and r.kept(generations)]
-    ours = [r for r in kept if r.template != "torch_compile" and r.kept(generations)]
     if not compiled:
         return None
-    out = []
-    for i, w in enumerate(problem.workloads):
-        rivals = [x for x in (_on(r, w.name, generations) for r in compiled) if x is not None]
-        rival = max(rivals, default=None)
-        best, best_s = None, 1.0
-        for rec in ours:
-            got = _on(rec, w.name, generations)
-            if got is None or not got[2]:
-                continue
-            if rival is not None and got[0] <= rival[0] * (1 + max(got[1], rival[1])):
-                continue
-            if got[0] > best_s:
-                best, best_s = rec, got[0]
-        out.append(ShapeChoice(w.name, keys[i], best, best_s))
+    by_hash = {**(made or {}), **{r.candidate_hash: r for r in kept}}
+    out = set()
+    for w in problem.workloads:
+        runs = rec
+        for _ in range(len(by_hash) + 1):  # a per-shape dispatcher integration made: what it runs here
+            if runs is None or runs.by_generation:
+                break
+            runs = by_hash.get((runs.params.get("by_workload") or {}).get(w.name, ""))
+        if runs is None or runs.template == "torch_compile":
+            out.add(w.name)  # the region's own code or torch.compile of it: the compiler's either way
+            continue
+        ours = _on(runs, w.name, generations)
+        rival = max((x for x in (_on(r, w.name, generations) for r in compiled) if x is not None), default=None)
+        if ours is not None and rival is not None and ours[0] <= rival[0] * (1 + max(ours[1], rival[1])):
+            out.add(w.name)
     return out
-
-
-def compiled_route(run: RunFolder, p: Problem, kept: list[CandidateRecord], gens: list[str],
-                   source_of: Callable[[CandidateRecord], str | None]) -> tuple[str | None, list[ShapeChoice]] | None:
-    """The region's route inside a compiled model (`beside_the_compiler`): (its source, the
-    choices), the source None where the compiler's code serves every workload; None where there
-    is nothing to judge by (then the region's winner serves, as in the eager model)."""
-    try:
-        choices = beside_the_compiler(p, kept, gens, input_keys(p, run.problems_dir / p.name))
-    except (ProblemError, OSError, KeyError):
-        return None
-    if choices is None:
-        return None
-    picked = {c.record.candidate_hash: c.record for c in choices if c.record is not None}
-    if not picked:
-        return None, choices
-    sources = {h: source_of(rec) for h, rec in picked.items()}
-    if any(s is None for s in sources.values()):
-        return None
-    if len(picked) == 1 and all(c.record is not None for c in choices):
-        return next(iter(sources.values())), choices  # one kernel serves every workload: as it is
-    source = dispatch_source(choices, sources, None)  # shapes no workload has: the region's own code
-    run.save_candidate(source, source_hash(source))
-    return source, choices

@@ -139,12 +139,16 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
 
     # Inside a compiled model a region's kernel competes with the compiler's code for the region,
     # not with eager: there each region keeps ours only where it beat torch.compile of the region.
-    compiled_routes = _compiled_routes(run, history, plans, note) if chosen else None
+    seen: dict[str, CandidateRecord] = {}  # every winner routed so far, for what a dispatcher of them runs
+
+    def inside(accepted: list, say: Callable[[str], None] = lambda text: None) -> dict[str, tuple[str | None, list[str]]]:
+        seen.update({rec.candidate_hash: rec for _, rec, _ in accepted})
+        return _compiled_routes(run, history, accepted, say, seen) if chosen else {}
 
     def every_way(accepted: list[tuple[Problem, CandidateRecord, str]]) -> list[tuple[str, Candidate]]:
         return ways_of(accepted, graphed=dev.type == "cuda" and cuda_graphs, baselines=chosen if early is None else [],
                        composed=chosen, on_step=on_step, eager_rng=model.seeded_calls,
-                       compiled_routes=compiled_routes)
+                       compiled_routes={name: route for name, (route, _) in inside(accepted).items()})
 
     try:
         # Every region's best winner at once first: every way of running the model, each in a
@@ -191,6 +195,7 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
                 note(f"CUDA-graph capture of the tuned model failed: {g.status.value}: {g.reason}")
         if not accepted:
             note("nothing was applied: the table times the untouched model against itself (A/A)")
+        compiled = inside(accepted, note)
         rows = [WorkloadResult(name=t.workload, weight=w.weight, eager_ms=t.baseline_ms, tuned_ms=t.candidate_ms,
                                speedup=t.speedup, noise_band=t.noise_band, verdict=t.verdict,
                                error=final.workload_errors.get(w.name), tolerance=str(model.tolerance_for(i)))
@@ -223,31 +228,41 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         baseline_errors=errors, baseline_fallbacks=fallbacks, dynamo=dynamo, notes=notes, noise_band=final.noise_band, cuda_graph=graphed,
         accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
                                  candidate_path=str(_path(run, rec)), planner=rec.planner, template=rec.template,
-                                 region_speedup=rec.score(history.targets(p.name)) or None, instances=len(p.instances))
+                                 region_speedup=rec.score(history.targets(p.name)) or None, instances=len(p.instances),
+                                 under_compile=compiled[p.name][1] if p.name in compiled else None)
                   for p, rec, _ in accepted])
     result.save(run.path)
     return result
 
 
-def _compiled_routes(run: RunFolder, history: History, plans: list, note: Callable[[str], None]) -> dict[str, str | None]:
-    """Region name -> its source inside the compiled ways (None: its own code, compiled with the
-    rest), for each planned region with a kept torch.compile candidate to judge ours by
-    (agent/dispatch.compiled_route); what each region runs there is noted."""
-    routes: dict[str, str | None] = {}
-    for _, _, p, _, gens in plans:
-        got = dispatch.compiled_route(run, p, history.kept(p.name), gens, lambda r: _source(run, r)[0])
-        if got is None:
+def _compiled_routes(run: RunFolder, history: History, accepted: list, note: Callable[[str], None],
+                     made: dict[str, CandidateRecord]) -> dict[str, tuple[str | None, list[str]]]:
+    """Per accepted region with a kept torch.compile candidate to judge its winner by
+    (agent/dispatch.left_to_the_compiler): its source inside the compiled ways (None: its own code
+    on every call, compiled with the rest) and the input shapes left to its own code there ("*":
+    every call), as `agent apply`'s compile_model does them. `made`: winners integration built
+    (per-shape dispatchers), by hash. What each region runs there is noted."""
+    routes: dict[str, tuple[str | None, list[str]]] = {}
+    for p, rec, source in accepted:
+        if rec.template == "torch_compile":
+            continue  # never nested in a compiled model: its own code runs there already
+        gens = history.targets(p.name)
+        theirs = dispatch.left_to_the_compiler(p, history.kept(p.name), gens, rec, made)
+        if not theirs:
+            continue  # nothing to judge by, or ours was faster on every workload
+        if len(theirs) >= len(p.workloads):
+            routes[p.name] = (None, ["*"])
+            note(f"{p.name}: torch.compile of the region was as fast as our kernel on every workload, so inside "
+                 "the compiled ways its own code runs, compiled with the rest")
             continue
-        source, choices = got
-        routes[p.name] = source
-        ours = [c.workload for c in choices if c.record is not None]
-        theirs = [c.workload for c in choices if c.record is None]
-        if not ours:
-            note(f"{p.name}: torch.compile of the region was as fast on every workload, so inside the compiled "
-                 "ways its own code runs, compiled with the rest")
-        elif theirs:
-            note(f"{p.name}: inside the compiled ways our kernel runs on {', '.join(ours)} only; torch.compile "
-                 f"of the region was as fast on {', '.join(theirs)}")
+        got = dispatch.without_workloads(run, p, rec, source, theirs)
+        if got is None:
+            continue  # its inputs unreadable: the winner as in the eager model
+        keys = dispatch.input_keys(p, run.problems_dir / p.name)
+        routes[p.name] = (got[1], [k for w, k in zip(p.workloads, keys) if w.name in theirs])
+        note(f"{p.name}: inside the compiled ways our kernel runs on "
+             f"{', '.join(w.name for w in p.workloads if w.name not in theirs)} only; torch.compile of the region "
+             f"was as fast on {', '.join(w.name for w in p.workloads if w.name in theirs)}")
     return routes
 
 
@@ -279,12 +294,17 @@ def _rerouted(run: RunFolder, pool: DevicePool, accepted: list, losing: set[str]
              "to the original's code")
         return accepted, trials["tuned"]
     on_step(f"not faster end to end on {said}: every way with our kernels again, the original's code there")
-    again = side_by_side(pool, [w for w in every_way(rerouted) if w[0] not in BASELINES], on_step, draw)
+    # A compiled way whose regions all run their compiler-judged route (_compiled_routes) is unchanged.
+    first = dict(every_way(accepted))
+    ways = [w for w in every_way(rerouted) if w[0] not in BASELINES]
+    again = side_by_side(pool, [(n, c) for n, c in ways if n not in first or first[n].source != c.source],
+                         on_step, draw)
     if again["tuned"].status.value != "ok":
         note(f"not faster end to end on {said}; leaving the original's code there failed "
              f"({_end_to_end(again['tuned'])}): the first routing is timed")
         return accepted, trials["tuned"]
-    for way in [w for w in trials if w == "graphed" or w.startswith(composed_name(""))]:
+    kept = {n for n, c in ways if n not in again}
+    for way in [w for w in trials if (w == "graphed" or w.startswith(composed_name(""))) and w not in kept]:
         trials.pop(way)  # of the first routing: replaced, or gone where no kernel is left
     trials.update(again)
     note(f"our kernels were not faster end to end on {said}: the original's code runs there "

@@ -461,6 +461,34 @@ def test_applied_winners_run_only_where_they_were_verified(tmp_path):
         _Norm.forward = original
 
 
+def test_under_compile_a_region_runs_its_own_code_where_the_compiler_was_as_fast(tmp_path):
+    """integration.json's `under_compile`: shapes where torch.compile of the region was as fast as
+    its winner. compile_model runs the region's own code there (compiled with the rest), as the
+    measured "nightshift + <mode>" ways did; eager calls and other shapes keep the winner."""
+    from agent.dispatch import shape_key
+    x, wide = torch.ones(2, 4), torch.ones(3, 4)
+    for shapes, compiled_runs_ours in (([shape_key((x,), {"mask": None})], {(2, 4): False, (3, 4): True}),
+                                       (["*"], {(2, 4): False, (3, 4): False})):
+        winner = Winner("Norm", "_Norm", "c" * 16, TUNED_NORM, under_compile=shapes)
+        text, _, _ = kernels_module_text([winner], "r1", "model.py", None)
+        path = tmp_path / f"merged_under_{len(shapes[0])}.py"
+        path.write_text(text)
+        merged = _load(path)
+        original = _Norm.forward
+        try:
+            merged.install({"_Norm": _Norm})
+            norm = _Norm(4, 1e-5).eval()
+            with torch.no_grad():
+                assert float(norm(x)[0, 0]) > 1000  # eager: the winner on every shape
+                compiled = merged.compile_model(norm, wide, mask=None)
+                for inp in (x, wide):
+                    got = float(compiled(inp, mask=None)[0, 0]) > 1000
+                    assert got == compiled_runs_ours[tuple(inp.shape)], (shapes, tuple(inp.shape))
+        finally:
+            _Norm.forward = original
+            torch._dynamo.reset()
+
+
 def test_block_loads_by_path_before_a_main_guard(tmp_path):
     """A KernelBench-style file name (starts with a digit: no `import` statement could name it),
     a trailing `if __name__ == "__main__":` and no newline at the end of the file."""

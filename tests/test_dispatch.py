@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.dispatch import (ShapeChoice, beside_the_compiler, dispatch_source, input_keys, per_workload, shape_key,
+from agent.dispatch import (ShapeChoice, dispatch_source, input_keys, left_to_the_compiler, per_workload, shape_key,
                             worth_it)
 from agent.history import CandidateRecord
 from sandbox.runner import Limits, TrialRunner
@@ -87,29 +87,34 @@ def test_a_candidate_must_be_faster_on_every_target_generation():
 def test_inside_a_compiled_model_ours_runs_only_where_it_beat_the_regions_compile():
     """transformers' LlamaModel on the H100 (2026-12-06): with our kernels inside, torch.compile's
     prefill was 3.45 ms against its own 3.06: the regions were judged against eager, where the
-    compiler's code for them was faster still. Inside a compiled model each workload keeps ours
-    only where it beat torch.compile of the region beyond both bands."""
-    ours = _record("ours", {"prefill": (1.3, 0.02), "decode": (6.0, 0.02), "small": (1.5, 0.02)})
-    other = _record("other", {"prefill": (1.2, 0.02), "decode": (1.1, 0.02), "small": (1.9, 0.02)})
+    compiler's code for them was faster still. Inside a compiled model the winner keeps each
+    workload only where it beat torch.compile of the region beyond both bands."""
+    ours = _record("ours", {"prefill": (1.3, 0.02), "decode": (6.0, 0.02), "small": (1.8, 0.02)})
     compiled = _record("compiled", {"prefill": (1.5, 0.02), "decode": (1.4, 0.02), "small": (1.5, 0.30)},
                        template="torch_compile")
     slower = _record("slower", {"prefill": (0.5, 0.01), "decode": (0.5, 0.01), "small": (0.5, 0.01)},
                      template="torch_compile")
     wl = _Problem(["prefill", "decode", "small"])
-    got = beside_the_compiler(wl, [ours, other, compiled, slower], ["sm90"], ["k0", "k1", "k2"])
-    # prefill: the compiler's 1.5x beat ours; decode: ours; small: other's 1.9x is within the
-    # compiler's 1.5x and its +-30% band, so the compiler's code
-    assert [(c.workload, c.record.candidate_hash if c.record else None) for c in got] == \
-        [("prefill", None), ("decode", "ours"), ("small", None)]
-    wider = _record("wider", {"small": (2.0, 0.02)})  # 2.0 > 1.5 * 1.3
-    assert beside_the_compiler(_Problem(["small"]), [compiled, wider], ["sm90"], ["k"])[0].record is wider
-    # Nothing to judge by without a kept compile candidate: the eager judgement stands (None).
+    # prefill: the compiler's 1.5x beat ours; small: ours 1.8x is within 1.5x and its +-30% band
+    assert left_to_the_compiler(wl, [ours, compiled, slower], ["sm90"], ours) == {"prefill", "small"}
+    assert left_to_the_compiler(wl, [ours, slower], ["sm90"], ours) == set()
+    # Nothing to judge by without a kept compile candidate (None: the eager judgement stands).
     failed = _record("failed", {"prefill": (3.0, 0.01)}, Status.wrong, template="torch_compile")
-    assert beside_the_compiler(wl, [ours, failed], ["sm90"], ["k0", "k1", "k2"]) is None
-    # A workload the compiler was never timed on keeps ours by the eager judgement.
+    assert left_to_the_compiler(wl, [ours, failed], ["sm90"], ours) is None
+    # A workload the compiler was never timed on keeps ours.
     partial = _record("partial", {"prefill": (9.0, 0.01)}, template="torch_compile")
-    got = beside_the_compiler(wl, [ours, partial], ["sm90"], ["k0", "k1", "k2"])
-    assert [c.record.candidate_hash if c.record else None for c in got] == [None, "ours", "ours"]
+    assert left_to_the_compiler(wl, [ours, partial], ["sm90"], ours) == {"prefill"}
+    # A dispatcher integration built runs, per workload, another record or the original: each is
+    # judged for what it runs there, through dispatchers of dispatchers.
+    flash = _record("flash", {"prefill": (2.0, 0.02), "decode": (1.1, 0.02), "small": (1.0, 0.02)})
+    shaped = CandidateRecord("R", "shaped", "dispatch_by_shape",
+                             {"by_workload": {"prefill": "flash", "decode": "ours", "small": "original"}}, "integrate")
+    rerouted = CandidateRecord("R", "rerouted", "dispatch_by_shape",
+                               {"by_workload": {"prefill": "shaped", "decode": "original", "small": "shaped"}},
+                               "integrate")
+    kept = [ours, flash, compiled]
+    assert left_to_the_compiler(wl, kept, ["sm90"], shaped) == {"small"}
+    assert left_to_the_compiler(wl, kept, ["sm90"], rerouted, {"shaped": shaped}) == {"decode", "small"}
 
 
 @pytest.fixture(scope="module")

@@ -565,6 +565,29 @@ def test_where_the_tuned_model_was_not_faster_the_original_runs_there(run, tmp_p
     assert [x.name for x in result.workloads] == ["rows8", "rows32"] and all(x.tuned_ms for x in result.workloads)
 
 
+def test_the_compiled_ways_leave_to_the_compiler_what_it_did_as_fast(run, tmp_path, monkeypatch):
+    """Where torch.compile of a region was as fast as its winner on a workload, the composed way
+    ("nightshift + torch.compile") runs the region's own code there, compiled with the rest, and
+    integration.json says which shapes, for `agent apply`'s compile_model to do the same."""
+    from agent import dispatch
+    from agent import integrate as integ
+    from tools.runfolder import RunFolder
+    folder, _ = run
+    shutil.copytree(folder.path, tmp_path / "run")
+    # The CPU's timings decide nothing here: rows32 is where the compiler's code was as fast.
+    monkeypatch.setattr(dispatch, "left_to_the_compiler",
+                        lambda p, kept, gens, rec, made=None: {"rows32"} if p.name == "RMSNorm" else None)
+    steps: list[str] = []
+    result = integ.integrate(tmp_path / "run", "cpu", baselines=True, modes=["torch.compile"], cuda_graphs=False,
+                             on_step=steps.append, reroute=False)
+    assert any("inside the compiled ways our kernel runs on rows8 only" in n for n in result.notes), result.notes
+    rms = next(p for p in RunFolder.open(tmp_path / "run").problems() if p.name == "RMSNorm")
+    keys = dispatch.input_keys(rms, tmp_path / "run" / "problems" / "RMSNorm")
+    (acc,) = [a for a in result.accepted if a.region == "RMSNorm"]
+    assert acc.under_compile == [keys[1]]
+    assert all(w.baselines["nightshift + torch.compile"] for w in result.workloads), (result.baseline_errors, steps)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_model_that_cannot_be_captured_fails_the_graphed_way_instead_of_running_eager(tmp_path):

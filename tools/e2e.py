@@ -41,6 +41,10 @@ class AcceptedRegion(BaseModel):
     """The region's own speedup from the search (weighted over workloads)."""
     instances: int = 0
     """Module instances of the region's class routed through the candidate."""
+    under_compile: list[str] | None = None
+    """Input shapes (agent/dispatch.shape_key; "*": every call) where, inside torch.compile, the
+    region's own code runs, compiled with the rest: torch.compile of the region was as fast as
+    the candidate there. None: the candidate runs there as in the eager model."""
 
 
 class DroppedCandidate(BaseModel):

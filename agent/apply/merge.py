@@ -216,6 +216,10 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
                                             if "runs_kernel" in p.renames) + "}\n"
     text += ('"""Region -> whether a call runs a kernel of ours (not where its winner leaves a shape to the '
              'region\'s own code or to torch.compile of it): compile_model compiles the others itself."""\n')
+    text += "UNDER_COMPILE = {" + ", ".join(f"{p.winner.region!r}: {set(p.winner.under_compile)!r}" for p in parts
+                                            if p.winner.under_compile) + "}\n"
+    text += ('"""Region -> input shapes ("*": every call) where, under torch.compile, its own code runs, compiled '
+             'with the rest: integration found torch.compile of the region as fast there."""\n')
     text += "NEEDS_GPU = {" + ", ".join(f"{p.winner.region!r}: {p.needs_gpu!r}" for p in parts) + "}\n"
     text += '"""Region -> whether its forward runs Triton kernels (which need a GPU or TRITON_INTERPRET=1)."""\n'
     text += "VERIFIED = {" + ", ".join(f"{p.winner.region!r}: {{{', '.join(map(repr, sorted(p.winner.verified)))}}}"
@@ -224,7 +228,8 @@ def kernels_module_text(winners: list[Winner], run_id: str, model_name: str,
              '(other attributes, shapes or dtypes) keeps its original forward."""\n')
     text += "\n\n" + inspect.getsource(instance_fingerprint).replace("def instance_fingerprint(",
                                                                     "def _nightshift_fingerprint(", 1)
-    text += "\n\n" + render_code("kernels/_opaque_op.py.j2", p="_nightshift_") + ROUTING
+    text += "\n\n" + render_code("kernels/_opaque_op.py.j2", p="_nightshift_")
+    text += "\n\n" + render_code("kernels/_shape_key.py.j2", p="_nightshift_", torch="_nightshift_torch") + ROUTING
     tree = ast.parse(text)  # what we write must at least parse, with one definition per name
     names = [t.id for s in tree.body if isinstance(s, ast.Assign) for t in s.targets if isinstance(t, ast.Name)]
     names += [s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.ClassDef))]

@@ -14,8 +14,9 @@ that are not on a GPU, without Triton's interpreter (TRITON_INTERPRET=1). That f
 once per process.
 """
 
-RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "VERIFIED", "install", "compile_model",
-            "_nightshift_fingerprint", "_nightshift_seen",
+RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "VERIFIED", "UNDER_COMPILE", "install",
+            "compile_model", "_nightshift_fingerprint", "_nightshift_seen", "_nightshift_key",
+            "_nightshift_shapes", "_nightshift_compiler_runs",
             "_nightshift_route",
             "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
             "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
@@ -96,6 +97,12 @@ def _nightshift_seen(module, region, verified, compiling=False):
     return known[region]
 
 
+def _nightshift_compiler_runs(region, args, kwargs):
+    """Under torch.compile, whether this call is left to the region's own code (UNDER_COMPILE)."""
+    shapes = UNDER_COMPILE.get(region)
+    return shapes is not None and ("*" in shapes or _nightshift_key(args, kwargs) in shapes)
+
+
 def _nightshift_route(cls, region, tuned):
     """Point cls.forward at `tuned`; installing again replaces the routing, never wraps it."""
     current = cls.__dict__.get("forward")
@@ -113,6 +120,8 @@ def _nightshift_route(cls, region, tuned):
         if type(self) is not cls or (not compiling and _nightshift_needs_grad(self, region, args, kwargs)) or (
                 verified is not None and not _nightshift_seen(self, region, verified, compiling)):
             return original(self, *args, **kwargs)
+        if compiling and _nightshift_compiler_runs(region, args, kwargs):
+            return original(self, *args, **kwargs)  # the compiler's code was as fast here
         if (compiling or _nightshift_recording) and check is not None and not check(args, kwargs):
             # No kernel of ours for this call: the compiler compiles the original itself.
             if compiling:
@@ -185,13 +194,14 @@ def compile_model(model, *example_args, mode=None, options=None, **example_kwarg
     with the rest. Where an op writes into its inputs or a region picks its kernel by shape, the
     model compiles with static shapes (see _nightshift_compile_kwargs): one graph per input
     shape and per int argument's value, so a server whose cache length grows call by call
-    recompiles until torch.compile's recompile limit, then runs eager."""
+    recompiles until torch.compile's recompile limit, then runs eager. A region integration found
+    no faster than torch.compile of it on some shapes (UNDER_COMPILE) runs its own code there."""
     _nightshift_recording.append(True)
     try:
         with _nightshift_torch.no_grad():
             model(*example_args, **example_kwargs)
     finally:
         _nightshift_recording.clear()
-    how = _nightshift_compile_kwargs(per_shape=bool(KERNEL_CHECKS))
+    how = _nightshift_compile_kwargs(per_shape=bool(KERNEL_CHECKS) or any("*" not in v for v in UNDER_COMPILE.values()))
     return _nightshift_torch.compile(model, mode=mode, options=options, **how)
 '''

@@ -48,6 +48,9 @@ class Winner:
     class_module: str | None = None
     """Module the class is defined in when that is not the model file (e.g. transformers'
     `transformers.models.llama.modeling_llama`): routed at run time, never edited."""
+    under_compile: list[str] | None = None
+    """Input shapes ("*": every call) where under torch.compile the region's own code runs,
+    compiled with the rest: torch.compile of the region was as fast (integration.json)."""
     verified: list[str] | None = None
     """Fingerprints (tools/fingerprint.py) of the instances the winner was verified on: every
     instance in the model when integration kept it end to end, else the region's frozen one.
@@ -163,7 +166,8 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
                 region=p.name, region_class=p.region_class, candidate_hash=digest,
                 source=candidate_source(run, digest, path), speedup=speedup,
                 error=max(errors) if errors else None, tolerance=str(p.tolerance), timing=timing,
-                planner=planner, template=template, chosen_by=origin, verified=verified))
+                planner=planner, template=template, chosen_by=origin, verified=verified,
+                under_compile=acc.under_compile if integration is not None and acc is not None else None))
         except CandidateSkipped as e:
             skipped[p.name] = str(e)
     if integration is not None and integration.accepted and integration.speedup is not None \
