@@ -135,7 +135,7 @@ def region_dispatcher(run: RunFolder, p: Problem, kept: list[CandidateRecord], g
 def without_workloads(run: RunFolder, p: Problem, rec: CandidateRecord, source: str,
                       losing: set[str]) -> tuple[CandidateRecord, str] | None:
     """`rec` (a region's accepted winner, whose `source` it is) on every workload but those in
-    `losing`, where the original runs: the model with our kernels was not faster end to end
+    `losing`, where the original runs: the model with our kernels was slower end to end
     there (integration). Shapes no workload has run `rec`, as before. None where no workload is
     left to it, none of the region's is in `losing`, or its inputs are unreadable."""
     try:
