@@ -151,6 +151,56 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
                        composed=chosen, on_step=on_step, eager_rng=model.seeded_calls,
                        compiled_routes={name: route for name, (route, _) in inside(accepted).items()})
 
+    def tabulate(accepted: list, final: Trial, say: Callable[[str], None], said: list[str]) -> IntegrationResult:
+        """The result of the ways run so far, with `final` the tuned model's trial; `say` adds a
+        note to `said`, the notes it carries."""
+        graphed = False
+        if (g := trials.get("graphed")) is not None:
+            if g.status.value == "ok" and g.speedup and final.speedup and \
+                    g.speedup > final.speedup * (1 + (g.noise_band or 0.0)):
+                final, graphed = g, True
+                say("the tuned model captured in a CUDA graph per workload shape was faster: it is the one timed")
+            elif g.status.value != "ok":
+                say(f"CUDA-graph capture of the tuned model failed: {g.status.value}: {g.reason}")
+        if not accepted:
+            say("nothing was applied: the table times the untouched model against itself (A/A)")
+        compiled = inside(accepted, say)
+        rows = [WorkloadResult(name=t.workload, weight=w.weight, eager_ms=t.baseline_ms, tuned_ms=t.candidate_ms,
+                               speedup=t.speedup, noise_band=t.noise_band, verdict=t.verdict,
+                               error=final.workload_errors.get(w.name), tolerance=str(model.tolerance_for(i)))
+                for i, (w, t) in enumerate(zip(model.workloads, final.timings))]
+        errors: dict[str, str] = {}
+        fallbacks: dict[str, str] = {}
+        dynamo: dict[str, dict] = {}
+        for way in [*BASELINES, *map(composed_name, BASELINES)]:
+            if (b := trials.get(way)) is None:
+                continue
+            name = way
+            if b.dynamo:
+                dynamo[way] = b.dynamo
+            # A compiled way that ran eager is never called by the compiler's name.
+            if (why := b.compile_fallback) and (way in BASELINES or why.startswith("fell back")):
+                name = f"{way} (ran eager)" if why.startswith("fell back") else f"{way} (partly eager)"
+                fallbacks[name] = why
+            if b.status.value != "ok":
+                errors[name] = f"{b.status.value}: {b.reason}"
+            for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
+                row.baselines[name] = t.candidate_ms if t else None
+                row.baseline_speedups[name] = t.speedup if t else None
+                row.baseline_bands[name] = t.noise_band if t else None
+        hello = dict(runner.worker.hello or runner.reference.hello)
+        return IntegrationResult(
+            device=worker_device, device_name=hello.get("device_name", ""), generation=hello.get("generation", ""),
+            timing_kind=final.timings[0].timing_kind if final.timings else "cpu", workloads=rows, dropped=list(dropped),
+            baseline_errors=errors, baseline_fallbacks=fallbacks, dynamo=dynamo, notes=list(said),
+            noise_band=final.noise_band, cuda_graph=graphed,
+            accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
+                                     candidate_path=str(_path(run, rec)), planner=rec.planner, template=rec.template,
+                                     region_speedup=rec.score(history.targets(p.name)) or None,
+                                     instances=len(p.instances),
+                                     under_compile=compiled[p.name][1] if p.name in compiled else None)
+                      for p, rec, _ in accepted])
+
     try:
         # Every region's best winner at once first: every way of running the model, each in a
         # worker of its own, all compiling at once, nothing timed meanwhile; then each verified
@@ -185,53 +235,15 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         if final.status.value != "ok":
             raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
         if (dev.type == "cuda" if reroute is None else reroute) and (losing := _slower(model, final, accepted)):
+            # The first routing's table is kept before every way compiles again: a tune stopped
+            # meanwhile (its step's time, Ctrl-C) still has it.
+            first = [*notes, f"this is the first routing's table: the tuned model was slower on {', '.join(sorted(losing))}, "
+                     "and integration was stopped while it ran every way again with the original's code there"]
+            tabulate(accepted, final, first.append, first).save(run.path)
             accepted, final = _rerouted(run, pool, accepted, losing, trials, every_way, draw, note, on_step)
-        graphed = False
-        if (g := trials.get("graphed")) is not None:
-            if g.status.value == "ok" and g.speedup and final.speedup and \
-                    g.speedup > final.speedup * (1 + (g.noise_band or 0.0)):
-                final, graphed = g, True
-                note("the tuned model captured in a CUDA graph per workload shape was faster: it is the one timed")
-            elif g.status.value != "ok":
-                note(f"CUDA-graph capture of the tuned model failed: {g.status.value}: {g.reason}")
-        if not accepted:
-            note("nothing was applied: the table times the untouched model against itself (A/A)")
-        compiled = inside(accepted, note)
-        rows = [WorkloadResult(name=t.workload, weight=w.weight, eager_ms=t.baseline_ms, tuned_ms=t.candidate_ms,
-                               speedup=t.speedup, noise_band=t.noise_band, verdict=t.verdict,
-                               error=final.workload_errors.get(w.name), tolerance=str(model.tolerance_for(i)))
-                for i, (w, t) in enumerate(zip(model.workloads, final.timings))]
-        errors: dict[str, str] = {}
-        fallbacks: dict[str, str] = {}
-        dynamo: dict[str, dict] = {}
-        for way in [*BASELINES, *map(composed_name, BASELINES)]:
-            if (b := trials.get(way)) is None:
-                continue
-            name = way
-            if b.dynamo:
-                dynamo[way] = b.dynamo
-            # A compiled way that ran eager is never called by the compiler's name.
-            if (why := b.compile_fallback) and (way in BASELINES or why.startswith("fell back")):
-                name = f"{way} (ran eager)" if why.startswith("fell back") else f"{way} (partly eager)"
-                fallbacks[name] = why
-            if b.status.value != "ok":
-                errors[name] = f"{b.status.value}: {b.reason}"
-            for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
-                row.baselines[name] = t.candidate_ms if t else None
-                row.baseline_speedups[name] = t.speedup if t else None
-                row.baseline_bands[name] = t.noise_band if t else None
-        hello = dict(runner.worker.hello or runner.reference.hello)
+        result = tabulate(accepted, final, note, notes)
     finally:
         pool.close()
-    result = IntegrationResult(
-        device=worker_device, device_name=hello.get("device_name", ""), generation=hello.get("generation", ""),
-        timing_kind=final.timings[0].timing_kind if final.timings else "cpu", workloads=rows, dropped=dropped,
-        baseline_errors=errors, baseline_fallbacks=fallbacks, dynamo=dynamo, notes=notes, noise_band=final.noise_band, cuda_graph=graphed,
-        accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
-                                 candidate_path=str(_path(run, rec)), planner=rec.planner, template=rec.template,
-                                 region_speedup=rec.score(history.targets(p.name)) or None, instances=len(p.instances),
-                                 under_compile=compiled[p.name][1] if p.name in compiled else None)
-                  for p, rec, _ in accepted])
     result.save(run.path)
     return result
 

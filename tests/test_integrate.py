@@ -568,6 +568,27 @@ def test_where_the_tuned_model_was_slower_the_original_runs_there(run, tmp_path,
     assert [x.name for x in result.workloads] == ["rows8", "rows32"] and all(x.tuned_ms for x in result.workloads)
 
 
+def test_a_reroute_stopped_midway_leaves_the_first_routings_table(run, tmp_path, monkeypatch):
+    """On the H100 (2026-12-06) the example's tune ran out of its step while integration compiled
+    every way a second time, and no integration.json was written: the first routing's table,
+    measured and verified, was lost with it. It is saved before the second round starts."""
+    from agent import integrate as integ
+    from tools.e2e import IntegrationResult
+    folder, _ = run
+    shutil.copytree(folder.path, tmp_path / "run")
+    monkeypatch.setattr(integ, "_slower", lambda m, final, accepted: {"rows32"} if accepted else set())
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(integ, "_rerouted", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        integ.integrate(tmp_path / "run", "cpu", baselines=False, reroute=True)
+    kept = IntegrationResult.load(tmp_path / "run")
+    assert kept is not None and [w.name for w in kept.workloads] == ["rows8", "rows32"]
+    assert all(w.tuned_ms for w in kept.workloads) and kept.accepted
+    assert any("first routing's table" in n and "rows32" in n for n in kept.notes), kept.notes
+
+
 def test_the_compiled_ways_leave_to_the_compiler_what_it_did_as_fast(run, tmp_path, monkeypatch):
     """Where torch.compile of a region was as fast as its winner on a workload, the composed way
     ("nightshift + torch.compile") runs the region's own code there, compiled with the rest, and
