@@ -276,6 +276,10 @@ def _compiled_routes(run: RunFolder, history: History, accepted: list, note: Cal
         note(f"{p.name}: inside the compiled ways our kernel runs on "
              f"{', '.join(w.name for w in p.workloads if w.name not in theirs)} only; torch.compile of the region "
              f"was as fast on {', '.join(w.name for w in p.workloads if w.name in theirs)}")
+    ours = [p.name for p, rec, _ in accepted if rec.template != "torch_compile"]
+    if ours and all(n in routes and routes[n][0] is None for n in ours):
+        note("no kernel of ours beat torch.compile of its region: the compiled ways with our kernels would be "
+             "the compile modes themselves, so they are not run")
     return routes
 
 

@@ -568,6 +568,23 @@ def test_where_the_tuned_model_was_slower_the_original_runs_there(run, tmp_path,
     assert [x.name for x in result.workloads] == ["rows8", "rows32"] and all(x.tuned_ms for x in result.workloads)
 
 
+def test_where_the_compiler_did_every_region_as_fast_no_compiled_way_of_ours_is_run(monkeypatch):
+    """Every region left to the compiler on every workload: "nightshift + <mode>" would be the
+    mode itself, so it is not run, and the notes say why it is missing from the table."""
+    from types import SimpleNamespace
+
+    from agent import dispatch
+    from agent import integrate as integ
+    monkeypatch.setattr(dispatch, "left_to_the_compiler", lambda p, kept, gens, rec, made=None: {"a", "b"})
+    region = SimpleNamespace(name="R", workloads=[SimpleNamespace(name="a"), SimpleNamespace(name="b")])
+    history = SimpleNamespace(targets=lambda name: ["sm90"], kept=lambda name: [])
+    notes: list[str] = []
+    routes = integ._compiled_routes(None, history, [(region, SimpleNamespace(template="rmsnorm"), "x = 1\n")],
+                                    notes.append, {})
+    assert routes == {"R": (None, ["*"])}
+    assert any("compiled ways with our kernels would be the compile modes themselves" in n for n in notes), notes
+
+
 def test_a_reroute_stopped_midway_leaves_the_first_routings_table(run, tmp_path, monkeypatch):
     """On the H100 (2026-12-06) the example's tune ran out of its step while integration compiled
     every way a second time, and no integration.json was written: the first routing's table,
