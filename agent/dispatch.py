@@ -164,7 +164,6 @@ def _on(rec: CandidateRecord, workload: str, generations: list[str]) -> tuple[fl
     return min(t.speedup for t in got), max(t.noise_band for t in got), all(t.verdict == "faster" for t in got)
 
 
-
 def left_to_the_compiler(problem: Problem, kept: list[CandidateRecord], generations: list[str],
                          rec: CandidateRecord, made: dict[str, CandidateRecord] | None = None) -> set[str] | None:
     """The region's workloads where, inside a compiled model, its own code should run (compiled

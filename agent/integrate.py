@@ -274,8 +274,9 @@ def _compiled_routes(run: RunFolder, history: History, accepted: list, note: Cal
         keys = dispatch.input_keys(p, run.problems_dir / p.name)
         routes[p.name] = (got[1], [k for w, k in zip(p.workloads, keys) if w.name in theirs])
         note(f"{p.name}: inside the compiled ways our kernel runs on "
-             f"{', '.join(w.name for w in p.workloads if w.name not in theirs)} only; torch.compile of the region "
-             f"was as fast on {', '.join(w.name for w in p.workloads if w.name in theirs)}")
+             f"{', '.join(w.name for w in p.workloads if w.name not in theirs)} only, and its own code, compiled "
+             f"with the rest, on {', '.join(w.name for w in p.workloads if w.name in theirs)} (torch.compile of "
+             "the region was as fast there, or the winner leaves them to the original)")
     ours = [p.name for p, rec, _ in accepted if rec.template != "torch_compile"]
     if ours and all(n in routes and routes[n][0] is None for n in ours):
         note("no kernel of ours beat torch.compile of its region: the compiled ways with our kernels would be "

@@ -81,7 +81,7 @@ def ways_of(accepted: list[tuple[Problem, CandidateRecord, str]], graphed: bool,
     each `composed` mode with our kernels inside (`eager_rng`: see compile_candidate).
     `compiled_routes`: region name -> its source inside a compiled model (None: the region's own
     code, compiled with the rest), for the regions judged against torch.compile of the region
-    (agent/dispatch.compiled_route); the others run their winner there too."""
+    (agent/integrate._compiled_routes); the others run their winner there too."""
     routes = [(q, s) for q, _, s in accepted]
     ways: list[tuple[str, Candidate]] = [("tuned", routed_candidate(routes))]
     # A winner that is torch.compile of its region is not nested in another capture or compile
@@ -95,11 +95,8 @@ def ways_of(accepted: list[tuple[Problem, CandidateRecord, str]], graphed: bool,
     if graphed and kernels:  # the integration step for launch-bound workloads
         ways.append(("graphed", graphed_candidate(kernels)))
     ways += baseline_ways(baselines, eager_rng)
-    inside = kernels
-    if compiled_routes is not None:
-        inside = [(q, compiled_routes.get(q.name, s)) for q, rec, s in accepted
-                  if q.name in compiled_routes or rec.template != "torch_compile"]
-        inside = [(q, s) for q, s in inside if s is not None]
+    inside = [(q, (compiled_routes or {}).get(q.name, s)) for q, s in kernels]
+    inside = [(q, s) for q, s in inside if s is not None]
     if inside:  # our kernels inside the compiled model, the way a torch.compile user runs it
         ways += [(composed_name(name), composed_candidate(inside, BASELINES[name], eager_rng)) for name in composed]
     return ways
