@@ -315,7 +315,8 @@ def test_integration_json_decides_the_winners(fresh):
     run, model = fresh
     slower = Candidate(region="", source=RMSNORM + "\n# a slower variant\n").hash
     IntegrationResult(device="cpu", accepted=[AcceptedRegion(region="LlamaRMSNorm", candidate_hash=slower,
-                                                             candidate_path="", region_speedup=1.2)],
+                                                             candidate_path="", region_speedup=1.2,
+                                                             under_compile=["*"])],
                       dropped=[DroppedCandidate(region="LlamaMLP", candidate_hash="x",
                                                 reason="end-to-end error 0.2 > tolerance")]).save(run)
     res = apply_run(run)
@@ -323,6 +324,9 @@ def test_integration_json_decides_the_winners(fresh):
     assert [(r["region"], r["candidate_hash"]) for r in res.regions] == [("LlamaRMSNorm", slower)]
     assert "end-to-end error 0.2" in res.skipped["LlamaMLP"]
     assert "kept end to end by integration" in Path(res.kernels_module).read_text()
+    # integration found torch.compile of the region as fast on every call: compile_model leaves it be
+    assert "UNDER_COMPILE = {'LlamaRMSNorm': {'*'}}" in Path(res.kernels_module).read_text()
+    assert any("under compile_model its own code runs on every call" in line for line in res.lines()[0])
 
 
 def _load(path: Path):

@@ -66,6 +66,9 @@ class ApplyResult:
             slower = " (not faster: --allow-slower)" if r.get("chosen_by") == "integration-slower" else ""
             out.append(f"  {r['region']}: candidate {r['candidate_hash']}, {speed}{slower}, error {error} vs "
                        f"{r['tolerance']}{where}")
+            if shapes := r.get("under_compile"):  # integration found torch.compile of the region as fast there
+                which = "every call" if "*" in shapes else f"{len(shapes)} input shape(s)"
+                out.append(f"    under compile_model its own code runs on {which}: torch.compile of it was as fast")
         out += [f"  {name}: not applied ({why})" for name, why in self.skipped.items()]
         warnings = [f"warning: {w}" for w in self.warnings]
         if not self.regions:
@@ -172,7 +175,8 @@ def apply_run(run_path: Path, regions: list[str] | None = None, dry_run: bool = 
     result.regions = [{"region": p.winner.region, "class": p.winner.region_class,
                        "class_module": p.winner.class_module, "candidate_hash": p.winner.candidate_hash,
                        "forward": p.forward, "speedup": p.winner.speedup, "error": p.winner.error,
-                       "tolerance": p.winner.tolerance, "renamed": p.renames, "chosen_by": p.winner.chosen_by}
+                       "tolerance": p.winner.tolerance, "renamed": p.renames, "chosen_by": p.winner.chosen_by,
+                       "under_compile": p.winner.under_compile}
                       for p in parts]
     with open(model, newline="") as f:
         model_text = f.read()
