@@ -158,13 +158,21 @@ def test_an_unchanged_region_reads_no_change_and_is_never_a_win(tmp_path):
     """A region big enough (about a millisecond on one CPU thread) that calling its forward through
     a candidate costs nothing measurable: timed against itself, inside its A/A band."""
     # Five rounds: this 2-core VM's CPU has bursts of stolen time tens of milliseconds long, and
-    # with three rounds one burst in a single round read 0.63x against a ±56% band (CI, once).
-    trial = _wide_norm_trial(tmp_path, OWN, rounds=5)
-    assert trial.status is Status.ok, trial.reason
-    assert trial.noise_band is not None and trial.noise_band > 0
-    assert all(t.noise_band > 0 and len(t.baseline_runs) >= 2 and t.parent_ms is not None for t in trial.timings)
-    assert [t.verdict for t in trial.timings] == ["no change"], [(t.speedup, t.noise_band) for t in trial.timings]
-    assert not trial.win
+    # with three rounds one burst in a single round read 0.63x against a ±56% band (CI, once); with
+    # five, 0.62x against ±33% (CI, 2026-12-06). A false "slower" is measured once more; a false
+    # "faster", the verdict that would rank the region's own forward as a win, never is.
+    readings = []
+    for attempt in range(2):
+        (tmp_path / str(attempt)).mkdir()
+        trial = _wide_norm_trial(tmp_path / str(attempt), OWN, rounds=5)
+        assert trial.status is Status.ok, trial.reason
+        assert trial.noise_band is not None and trial.noise_band > 0
+        assert all(t.noise_band > 0 and len(t.baseline_runs) >= 2 and t.parent_ms is not None for t in trial.timings)
+        readings.append([(t.verdict, round(t.speedup, 3), round(t.noise_band, 3)) for t in trial.timings])
+        assert not trial.win and all(t.verdict != "faster" for t in trial.timings), readings
+        if [t.verdict for t in trial.timings] == ["no change"]:
+            break
+    assert [v for v, _, _ in readings[-1]] == ["no change"], readings
 
 
 @pytest.mark.alone
