@@ -155,13 +155,12 @@ def without_workloads(run: RunFolder, p: Problem, rec: CandidateRecord, source: 
                                             for c in choices}}, "integrate"), source
 
 
-def _on(rec: CandidateRecord, workload: str, generations: list[str]) -> tuple[float, float, bool] | None:
-    """`rec`'s speedup on one workload (its smallest over the generations), its widest band there,
-    and whether it was faster than the original beyond the band on every generation."""
+def _on(rec: CandidateRecord, workload: str, generations: list[str]) -> tuple[float, float] | None:
+    """`rec`'s speedup on one workload (its smallest over the generations) and its widest band there."""
     got = [next((t for t in rec.by_generation[g].timings if t.workload == workload), None) for g in generations]
     if any(t is None for t in got):
         return None
-    return min(t.speedup for t in got), max(t.noise_band for t in got), all(t.verdict == "faster" for t in got)
+    return min(t.speedup for t in got), max(t.noise_band for t in got)
 
 
 def left_to_the_compiler(problem: Problem, kept: list[CandidateRecord], generations: list[str],
