@@ -91,13 +91,14 @@ def _generation(device: str) -> str:
 def default_workers_per_gpu(gpus: int) -> int:
     """Workers sharing one GPU: enough that one is always ready to verify or time while the
     others import and compile on the CPU (compiling is the slow part of a cheap trial), but
-    no more than the CPU cores can feed: about two cores per worker."""
+    no more than the CPU cores can feed: about two cores per worker, at most 8 (on an H100 host of
+    16 cores, 6 lanes left the device lock idle 56% of a tune while they loaded and compiled)."""
     from tools.devices import host_cores
     return workers_per_gpu(host_cores(), gpus)
 
 
 def workers_per_gpu(cores: int, gpus: int) -> int:
-    return max(2, min(6, cores // (2 * max(1, gpus))))
+    return max(2, min(8, cores // (2 * max(1, gpus))))
 
 
 def _lanes(slot: Slot, slots: list[Slot], workers_per_device: int | None) -> int:
