@@ -229,3 +229,12 @@ def test_workers_started_ahead_for_the_search_do_not_make_its_gpu_look_busy(monk
     monkeypatch.setattr(spawn, "_SPARES", {})  # the same memory held by another program: busy
     slots, notes = local.parse_devices(None)
     assert [s.device for s in slots] == ["cpu"] and "left alone" in notes[0]
+
+
+def test_lanes_a_gpu_are_bounded_by_cores_and_by_device_memory():
+    from agent.executors.local import workers_per_gpu
+    assert workers_per_gpu(16, 1) == 8            # two cores a lane, at most 8
+    assert workers_per_gpu(16, 1, 79.2) == 6      # an H100: 8 lanes of the example ran out of memory
+    assert workers_per_gpu(16, 1, 139.8) == 8     # an H200
+    assert workers_per_gpu(16, 2, 139.8) == 4     # two GPUs share the host's cores
+    assert workers_per_gpu(2, 1, 24.0) == 2       # never fewer than two

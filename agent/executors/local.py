@@ -88,17 +88,32 @@ def _generation(device: str) -> str:
     return arch.split(":")[0] if arch and arch.startswith("gfx") else f"sm{props.major}{props.minor}"
 
 
+LANE_DEVICE_GIB = 12
+"""Device memory a lane needs at most, in GiB: on the H100 (79 GiB) 8 lanes of the example, its
+reference worker and the three compile baselines beside them reached 80 GiB and three trials of 122
+failed out of memory; 6 lanes (79 // 12) ran without."""
+
+
 def default_workers_per_gpu(gpus: int) -> int:
     """Workers sharing one GPU: enough that one is always ready to verify or time while the
     others import and compile on the CPU (compiling is the slow part of a cheap trial), but
-    no more than the CPU cores can feed: about two cores per worker, at most 8 (on an H100 host of
-    16 cores, 6 lanes left the device lock idle 56% of a tune while they loaded and compiled)."""
+    no more than the CPU cores can feed (about two cores per worker) or the smallest GPU's
+    memory can hold (`LANE_DEVICE_GIB` each), and at most 8 (on an H100 host of 16 cores, 6
+    lanes left the device lock idle 56% of a tune while they loaded and compiled)."""
     from tools.devices import host_cores
-    return workers_per_gpu(host_cores(), gpus)
+    return workers_per_gpu(host_cores(), gpus, _smallest_gpu_gib())
 
 
-def workers_per_gpu(cores: int, gpus: int) -> int:
-    return max(2, min(8, cores // (2 * max(1, gpus))))
+def _smallest_gpu_gib() -> float | None:
+    import torch
+    if not torch.cuda.is_available() or not torch.cuda.device_count():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())) / 2**30
+
+
+def workers_per_gpu(cores: int, gpus: int, device_gib: float | None = None) -> int:
+    by_memory = int(device_gib // LANE_DEVICE_GIB) if device_gib else 8
+    return max(2, min(8, by_memory, cores // (2 * max(1, gpus))))
 
 
 def _lanes(slot: Slot, slots: list[Slot], workers_per_device: int | None) -> int:

@@ -68,7 +68,8 @@ class PoolSlot:
     resource: str
     amount: float
     workers: int = 1
-    """Sandbox workers per device: as `local.default_workers_per_gpu` for the node's cores."""
+    """Sandbox workers per device: as `local.default_workers_per_gpu` for the node's cores (its GPUs' memory
+    is not known from here)."""
 
 
 def discover(nodes: list[dict]) -> dict[str, list[PoolSlot]]:
