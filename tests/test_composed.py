@@ -145,3 +145,56 @@ def test_the_compiled_ways_run_each_regions_route_beside_the_compiler():
     none_left = dict(ways_of(accepted[:2], graphed=False, baselines=[], composed=["torch.compile"],
                              compiled_routes={"A": None, "B": None}))
     assert list(none_left) == ["tuned"]
+
+
+GUARDED = '''
+CALLS = []
+
+
+def forward(module, x, mask=None):
+    CALLS.append(mask is None)
+    if mask is not None:  # as a template's guard: verified with mask None only
+        raise NotImplementedError("mask was None when this candidate was verified")
+    return x * module.w + 0.0
+'''
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x, mask=None):
+        return x * self.w if mask is None else torch.where(mask, x * self.w, x)
+
+
+class MaskedNet(nn.Module):
+    """Passes an explicit all-true mask only when compiled, as transformers' Llama does with SDPA."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Masked()
+
+    def forward(self, x):
+        mask = torch.ones_like(x, dtype=torch.bool) if torch.compiler.is_compiling() else None
+        return torch.relu(self.a(torch.sin(x), mask=mask)) + 1
+
+
+def test_a_call_unlike_the_verified_one_is_compiled_as_the_original_not_run_eager_in_an_op(tmp_path):
+    """The winner was verified with mask None; compiled, the model passes a tensor there. That call
+    runs the class's own forward inside the compiled graph: never the op, whose refusal would run
+    the original eagerly and unfused (LlamaModel on the H100: 11-14% slower than compiled alone)."""
+    source = composed_candidate([(Problem.model_construct(name="Masked", region_class="Masked"), GUARDED)],
+                                None).source
+    way = _load(tmp_path / "way.py", source)
+    kernel = way._WINNERS["Masked"]
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    net = MaskedNet().eval()
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            torch.testing.assert_close(way.forward(net, x), torch.relu(torch.sin(x) * net.a.w) + 1)
+    assert kernel.CALLS == [True], kernel.CALLS  # the eager, recording call only
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
