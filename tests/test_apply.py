@@ -448,11 +448,16 @@ def test_applied_winners_run_only_where_they_were_verified(tmp_path):
                 out = _Norm(4, 1e-5).eval()(x, mask=torch.ones(2, 4))
             assert float(out[0, 0]) < 1000
             # Under torch.compile the winner is an opaque op recorded on a call without a mask; a
-            # call with one runs the original inside the op.
+            # call with one runs the original compiled with the rest, never the op (whose winner
+            # would refuse it and run the original eagerly, unfused).
             norm = _Norm(4, 1e-5).eval()
             compiled = merged.compile_model(norm, x, mask=None)
+            ran = []
+            for op in merged._nightshift_OPS.values():
+                op.tuned = (lambda tuned: lambda *a, **k: ran.append(k.get("mask") is None) or tuned(*a, **k))(op.tuned)
             assert float(compiled(x, mask=None)[0, 0]) > 1000
             assert float(compiled(x, mask=torch.ones(2, 4))[0, 0]) < 1000
+            assert ran == [True], ran
         # Autograd on, in eval mode (attribution, a forgotten no_grad): the kernels have no backward,
         # so the original runs and the gradients are the original's.
         norm = _Norm(4, 1e-5).eval()

@@ -90,8 +90,8 @@ def _generation(device: str) -> str:
 
 LANE_DEVICE_GIB = 12
 """Device memory a lane needs at most, in GiB: on the H100 (79 GiB) 8 lanes of the example, its
-reference worker and the three compile baselines beside them reached 80 GiB and three trials of 122
-failed out of memory; 6 lanes (79 // 12) ran without."""
+reference worker and the three compile baselines beside them reached 80 GiB and seven trials of 122
+failed out of memory (2026-12-06); 6 lanes (79 // 12) ran without on earlier H100 runs."""
 
 
 def default_workers_per_gpu(gpus: int) -> int:
