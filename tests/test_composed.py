@@ -114,7 +114,7 @@ def test_a_first_call_with_no_kernel_of_ours_still_records_the_op(tmp_path):
             x = torch.randn(*shape)
             torch.testing.assert_close(way.forward(net, x), torch.relu(torch.sin(x * net.a.w) * net.b.w) + 1)
     assert kernel.CALLS == [(4, 8)] * 4, kernel.CALLS
-    assert all("_nightshift_op" in m.__dict__ for m in (net.a, net.b))
+    assert all(m.__dict__.get("_nightshift_ops") for m in (net.a, net.b))
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
@@ -197,4 +197,49 @@ def test_a_call_unlike_the_verified_one_is_compiled_as_the_original_not_run_eage
             x = torch.randn(4, 8)
             torch.testing.assert_close(way.forward(net, x), torch.relu(torch.sin(x) * net.a.w) + 1)
     assert kernel.CALLS == [True], kernel.CALLS  # the eager, recording call only
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+BOTH = '''
+CALLS = []
+
+
+def forward(module, x, mask=None):
+    CALLS.append(mask is None)
+    return x * module.w + 0.0 if mask is None else torch.where(mask, x * module.w, x)
+'''
+
+
+class MaskedByShape(nn.Module):
+    """Passes a mask on the wider inputs only, eager and compiled alike: two call structures."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Masked()
+
+    def forward(self, x):
+        mask = (x > 0) if x.shape[0] > 2 else None
+        return torch.relu(self.a(torch.sin(x), mask=mask)) + 1
+
+
+def test_each_call_structure_the_model_shows_eagerly_gets_its_own_op(tmp_path):
+    """The first call of each input shape runs eager and records an op for a call unlike those
+    recorded before, so a workload that passes a tensor where the first passed None still runs our
+    kernel compiled, as an op, with no graph break."""
+    source = composed_candidate([(Problem.model_construct(name="Masked", region_class="Masked"),
+                                  "import torch\n" + BOTH)], None).source
+    way = _load(tmp_path / "way.py", source)
+    kernel = way._WINNERS["Masked"]
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    net = MaskedByShape().eval()
+    with torch.no_grad():
+        for shape in [(2, 8), (4, 8)] * 3:
+            x = torch.randn(*shape)
+            s = torch.sin(x)
+            want = torch.relu(s * net.a.w if shape[0] <= 2 else torch.where(x > 0, s * net.a.w, s)) + 1
+            torch.testing.assert_close(way.forward(net, x), want)
+    assert kernel.CALLS == [True, False] * 3, kernel.CALLS
+    assert len(way._recorded(net.a)) == 2
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])

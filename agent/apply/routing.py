@@ -20,7 +20,7 @@ RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "VERI
             "_nightshift_route",
             "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
             "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
-            "_nightshift_as_op", "_nightshift_verified_like", "_nightshift_recording", "_nightshift_compile_kwargs",
+            "_nightshift_as_op", "_nightshift_verified_like", "_nightshift_recorded", "_nightshift_recording", "_nightshift_compile_kwargs",
             "_nightshift_os", "_nightshift_torch", "_nightshift_warnings", "_nightshift_importlib",
             "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find",
             "_nightshift_unverified", "_nightshift_refused",
@@ -131,7 +131,7 @@ def _nightshift_route(cls, region, tuned):
             made = _nightshift_as_op(self, args, kwargs)
             if made is not None:  # an opaque op: the compiler fuses around our kernel, never into it
                 return made[1](made[0], args, kwargs)
-            if "_nightshift_op" in self.__dict__ and not _nightshift_verified_like(self, args, kwargs):
+            if _nightshift_recorded(self) and not _nightshift_verified_like(self, args, kwargs):
                 return original(self, *args, **kwargs)  # unlike the eager call it was verified on: the compiler's
         if needs_gpu and not _nightshift_can_run(self, args, kwargs):
             _nightshift_fallback(region)
