@@ -88,21 +88,9 @@ def pytest_sessionfinish(session, exitstatus):
         path.unlink(missing_ok=True)
 
 
-LONGEST_FIRST = ["test_sandbox.py", "test_integrate.py", "test_compile_truth.py", "test_search.py",
-                 "test_templates.py", "test_problem_set.py", "test_cli.py", "test_overnight.py", "test_apply.py",
-                 "test_ray_executor.py", "test_foreign_habits.py", "test_llm_failures.py", "test_llm_planner.py",
-                 "test_skill.py", "test_verdicts.py", "test_apply_transformers.py"]
-"""The test files that take longest on CI's two cores (pytest --durations, 2026-12-06), run first:
-each file runs whole in one test process (--dist loadfile: its module fixtures are built once, not
-in both), and a long file started last would leave the other process idle at the end."""
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest files first (the order within a file kept). A test that runs
-    tests/candidates/adversarial (they signal every process they see, read secrets, edit files) is
-    skipped, saying why, where no jail can run: it would harm the host."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
+    """A test that runs tests/candidates/adversarial (they signal every process they see, read
+    secrets, edit files) is skipped, saying why, where no jail can run: it would harm the host."""
     from sandbox.jail import describe
     iso = describe()
     if iso.kind == "bubblewrap":
