@@ -17,10 +17,6 @@ EXAMPLE = ROOT / "examples" / "llama.py"
 # once per cache folder, and every sandbox worker has a fresh one: about 6 of a small model's 10 s
 # compile. The suite trusts what the CPU reports (the setting reaches workers and subprocesses).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
-# Two test processes share CI's two cores (addopts): each computes on one thread, as the sandbox's
-# workers do, rather than two each on two cores.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
