@@ -180,17 +180,23 @@ class MaskedNet(nn.Module):
         return torch.relu(self.a(torch.sin(x), mask=mask)) + 1
 
 
+def _masked_way(tmp_path, winner: str):
+    """"nightshift + torch.compile" with `winner` routed into Masked, and dynamo's counters cleared."""
+    from torch._dynamo.utils import counters
+    source = composed_candidate([(Problem.model_construct(name="Masked", region_class="Masked"), winner)],
+                                None).source
+    way = _load(tmp_path / "way.py", source)
+    torch._dynamo.reset()
+    counters.clear()
+    return way, counters
+
+
 def test_a_call_unlike_the_verified_one_is_compiled_as_the_original_not_run_eager_in_an_op(tmp_path):
     """The winner was verified with mask None; compiled, the model passes a tensor there. That call
     runs the class's own forward inside the compiled graph: never the op, whose refusal would run
     the original eagerly and unfused (LlamaModel on the H100: 11-14% slower than compiled alone)."""
-    source = composed_candidate([(Problem.model_construct(name="Masked", region_class="Masked"), GUARDED)],
-                                None).source
-    way = _load(tmp_path / "way.py", source)
+    way, counters = _masked_way(tmp_path, GUARDED)
     kernel = way._WINNERS["Masked"]
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-    counters.clear()
     net = MaskedNet().eval()
     with torch.no_grad():
         for _ in range(3):
@@ -226,13 +232,8 @@ def test_each_call_structure_the_model_shows_eagerly_gets_its_own_op(tmp_path):
     """The first call of each input shape runs eager and records an op for a call unlike those
     recorded before, so a workload that passes a tensor where the first passed None still runs our
     kernel compiled, as an op, with no graph break."""
-    source = composed_candidate([(Problem.model_construct(name="Masked", region_class="Masked"),
-                                  "import torch\n" + BOTH)], None).source
-    way = _load(tmp_path / "way.py", source)
+    way, counters = _masked_way(tmp_path, "import torch\n" + BOTH)
     kernel = way._WINNERS["Masked"]
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-    counters.clear()
     net = MaskedByShape().eval()
     with torch.no_grad():
         for shape in [(2, 8), (4, 8)] * 3:

@@ -19,7 +19,7 @@ RESERVED = {"REGIONS", "CLASSES", "MODULES", "NEEDS_GPU", "KERNEL_CHECKS", "VERI
             "_nightshift_shapes", "_nightshift_compiler_runs",
             "_nightshift_route",
             "_nightshift_itertools", "_nightshift_MODULES", "_nightshift_OPS", "_nightshift_LIBS",
-            "_nightshift_count", "_nightshift_kind", "_nightshift_Op", "_nightshift_record",
+            "_nightshift_count", "_nightshift_kind", "_nightshift_shown", "_nightshift_Op", "_nightshift_record",
             "_nightshift_as_op", "_nightshift_verified_like", "_nightshift_recorded", "_nightshift_recording", "_nightshift_compile_kwargs",
             "_nightshift_os", "_nightshift_torch", "_nightshift_warnings", "_nightshift_importlib",
             "_nightshift_can_run", "_nightshift_fallback", "_nightshift_warned", "_nightshift_find",
