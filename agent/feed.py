@@ -66,7 +66,7 @@ class Feed:
             self.changed.notify_all()
 
 
-def results_of(results: queue.Queue, lanes: int, tick: float = 0.1) -> Iterator:
+def results_of(results: queue.Queue, lanes: int, tick: float = 0.02) -> Iterator:
     """What lane threads put in `results` (each puts None once, when it ends), until every lane
     has ended; None whenever `tick` seconds pass without a result, so the caller can refill the feed."""
     while lanes:

@@ -113,10 +113,12 @@ def test_a_compiled_candidate_and_the_compile_baseline_time_like_standalone_comp
     # Standalone is measured again after: this VM's speed drifts over a minute (standalone read
     # 3.2x to 6.2x and the harness 2.9x to 5.5x in four runs back to back, old code and new
     # alike), so the harness is held to the lower of the two readings around it.
+    # The second reading may land low (1.74x once on CI): held to 60% of that, the harness must
+    # still read 1.3x or more, well clear of eager's 1.0x, which is what the old code read.
     standalone = min(standalone, _standalone())
-    assert standalone > 1.8, f"standalone torch.compile read only {standalone:.2f}x afterwards"
-    assert trial.speedup >= 0.6 * standalone, (trial.speedup, standalone)
-    assert baseline >= 0.6 * standalone, (baseline, standalone)
+    floor = max(0.6 * standalone, 1.3)
+    assert trial.speedup >= floor, (trial.speedup, standalone)
+    assert baseline >= floor, (baseline, standalone)
 
 
 def test_baselines_that_could_not_run_beside_the_search_are_run_by_integration(run):
