@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Callable
 
+from agent.compile_caches import CompileCaches
 from agent.ways import LIMITS, baseline_ways, side_by_side, whole_model
 from sandbox.pool import DevicePool
 from tools.runfolder import RunFolder
@@ -29,6 +30,7 @@ class EarlyBaselines:
         self.ways = baseline_ways(modes, model.seeded_calls)
         self.on_step = on_step
         self.pool = DevicePool(self.device, [folder], limits=LIMITS, memory_gb=memory_gb, cpu_lock=True)
+        self.caches = CompileCaches(run.path)  # what each mode compiled, for integration's ways in that mode
         self.trials: dict[str, Trial] = {}
         self.thread = threading.Thread(target=self._run, name="early-baselines", daemon=True)
         self.closed = False
@@ -50,7 +52,7 @@ class EarlyBaselines:
             return
         t0 = time.monotonic()
         try:
-            self.trials = side_by_side(self.pool, self.ways, self.on_step)
+            self.trials = side_by_side(self.pool, self.ways, self.on_step, caches=self.caches)
             self.on_step(f"compile baselines done, beside the search, in {time.monotonic() - t0:.0f}s")
         except Exception as e:  # integration runs what is missing itself
             if not self.closed:

@@ -34,6 +34,7 @@ from agent import dispatch
 from agent.history import CandidateRecord, History
 from agent.loop import load_history
 from agent.view import times
+from agent.compile_caches import CompileCaches
 from agent.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
                         whole_model)
 from sandbox.pool import DevicePool
@@ -121,6 +122,7 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
     # One worker verifies or times at a time, on the CPU too; the others only compile. On a GPU,
     # across every tuner of the host too (sandbox/device_lock.py).
     pool = DevicePool(worker_device, [folder], limits=lim, memory_gb=memory_gb, cpu_lock=True)
+    caches = CompileCaches(run.path)  # the ways with our kernels start from their mode's baseline's
     on_in_flight(pool.in_flight)
     runner = pool.runners[0]
     # One draw of fresh inputs and perturbed parameters for every check of the model here (each
@@ -220,17 +222,17 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         accepted = [(p, *readable[0]) for p, readable in sourced]
         runner.worker.kill()
         trials = side_by_side(pool, every_way(accepted), on_step, draw,
-                               keep_answers=True, first_must_pass=bool(accepted))
+                               keep_answers=True, first_must_pass=bool(accepted), caches=caches)
         if accepted and trials["tuned"].status.value != "ok":
             on_step(f"the winners together failed end to end ({_end_to_end(trials['tuned'])}): routed in one by one")
             accepted = _one_by_one(runner, sourced, draw, dropped, on_step)
             runner.worker.kill()
-            trials = side_by_side(pool, every_way(accepted), on_step, draw)
+            trials = side_by_side(pool, every_way(accepted), on_step, draw, caches=caches)
         if chosen and early is not None:  # started beside the search: waited for only now
             trials.update({n: t for n, t in early.result(on_in_flight).items() if n in chosen})
             on_in_flight(pool.in_flight)
             if missing := [w for w in baseline_ways(chosen, model.seeded_calls) if w[0] not in trials]:
-                trials.update(side_by_side(pool, missing, on_step, draw))
+                trials.update(side_by_side(pool, missing, on_step, draw, caches=caches))
         final = trials["tuned"]
         if final.status.value != "ok":
             raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
@@ -240,10 +242,11 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
             first = [*notes, f"this is the first routing's table: the tuned model was slower on {', '.join(sorted(losing))}, "
                      "and integration was stopped while it ran every way again with the original's code there"]
             tabulate(accepted, final, first.append, first).save(run.path)
-            accepted, final = _rerouted(run, pool, accepted, losing, trials, every_way, draw, note, on_step)
+            accepted, final = _rerouted(run, pool, accepted, losing, trials, every_way, draw, note, on_step, caches)
         result = tabulate(accepted, final, note, notes)
     finally:
         pool.close()
+        caches.drop_copies()
     result.save(run.path)
     return result
 
@@ -298,7 +301,7 @@ def _slower(model: Problem, final: Trial, accepted: list) -> set[str]:
 
 def _rerouted(run: RunFolder, pool: DevicePool, accepted: list, losing: set[str], trials: dict[str, Trial],
               every_way: Callable, draw: tuple[int, int], note: Callable[[str], None],
-              on_step: Callable[[str], None]) -> tuple[list, Trial]:
+              on_step: Callable[[str], None], caches: CompileCaches) -> tuple[list, Trial]:
     """Every way with our kernels again, each region's winner now leaving the `losing` workloads'
     shapes to the original (agent/dispatch.without_workloads); kept where the tuned model passes
     again, in place of the first ways (`trials` updated). Returns the accepted winners and the
@@ -318,7 +321,7 @@ def _rerouted(run: RunFolder, pool: DevicePool, accepted: list, losing: set[str]
     first = dict(every_way(accepted))
     ways = [w for w in every_way(rerouted) if w[0] not in BASELINES]
     again = side_by_side(pool, [(n, c) for n, c in ways if n not in first or first[n].source != c.source],
-                         on_step, draw)
+                         on_step, draw, caches=caches)
     if again["tuned"].status.value != "ok":
         note(f"slower end to end on {said}; leaving the original's code there failed "
              f"({_end_to_end(again['tuned'])}): the first routing is timed")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from agent.compile_caches import CompileCaches
 from agent.errors import UserError
 from agent.flags import BASELINES
 from agent.jobs import resolve_device
@@ -147,13 +148,14 @@ inside) in one batch, since a second batch waits out another compile of minutes.
 
 def side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: Callable[[str], None],
                   draw: tuple[int, int] | None = None, keep_answers: bool = False,
-                  first_must_pass: bool = False) -> dict[str, Trial]:
+                  first_must_pass: bool = False, caches: CompileCaches | None = None) -> dict[str, Trial]:
     """Each way in a fresh worker of its own (the first in the pool's runner, the rest in the
     pool's extra runners, which share its reference worker and device lock): preloaded in
     batches of PARALLEL_LOADS, then each batch verified and timed one by one, every way on the
     one draw of fresh inputs and perturbed parameters `draw` (a new one when not given). The
     reference worker's answers for it are dropped after, unless `keep_answers`. With
-    `first_must_pass`, the others are not verified or timed when the first way fails."""
+    `first_must_pass`, the others are not verified or timed when the first way fails. `caches`:
+    the compile caches each way's worker starts from (agent/compile_caches.py)."""
     runner = pool.runners[0]
     trials: dict[str, Trial] = {}
     draw = draw or (seed(), seed())
@@ -169,20 +171,32 @@ def side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: C
                 runners = own + extra
                 for r in runners:
                     r.verify_seeds = draw
-                _batch(runners, batch, trials, on_step, keep=runner, stop=first_failed)
+                _batch(runners, batch, trials, on_step, keep=runner, stop=first_failed, caches=caches)
+                if caches is not None:
+                    caches.drop_copies()
                 if first_failed():
                     break
     finally:
         runner.verify_seeds = None
+        if runner.config.compile_cache is not None:  # a batch stopped before its trial closed it
+            runner.worker.close()
+            runner.config.compile_cache = None
         if not keep_answers:
             pool.reference.kept.clear()
     return trials
 
 
 def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trials: dict[str, Trial],
-           on_step: Callable[[str], None], keep: TrialRunner, stop: Callable[[], bool] = lambda: False) -> None:
+           on_step: Callable[[str], None], keep: TrialRunner, stop: Callable[[], bool] = lambda: False,
+           caches: CompileCaches | None = None) -> None:
     """Preload the batch's ways at once, then verify and time each; every worker but `keep`'s
-    is closed after its trial, so its device memory goes before the next one times."""
+    is closed after its trial, so its device memory goes before the next one times, and so is
+    one that compiled into a cache folder (never reused for anything else)."""
+    for r, (name, _) in zip(runners, batch):
+        folder = caches.folder(name) if caches is not None else None
+        if folder is not None or r.config.compile_cache is not None:
+            r.worker.kill()  # a worker is started for its cache, and never reused
+            r.config.compile_cache = folder
     t0 = time.monotonic()
     loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]
     for t in loads:
@@ -209,8 +223,9 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
         on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
                 + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases(trial)}"
                 + (f"\n    {per}" if per else ""))
-        if r is not keep:
+        if r is not keep or r.config.compile_cache is not None:
             r.worker.close()
+            r.config.compile_cache = None
 
 
 def phases(trial: Trial) -> str:

@@ -225,8 +225,9 @@ def _under(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
-def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str]) -> None:
-    """Mount `path` back read-only inside a hidden folder, with world-traversable parents."""
+def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], writable: bool = False) -> None:
+    """Mount `path` back inside a hidden folder (read-only unless `writable`), with
+    world-traversable parents."""
     chain, parent = [], os.path.dirname(path)
     while parent not in ("/", "") and parent not in hidden:
         chain.append(parent)
@@ -235,13 +236,14 @@ def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str]) ->
         if d not in made:
             argv += ["--perms", "0755", "--dir", d]
             made.add(d)
-    argv += ["--ro-bind", path, path]
+    argv += ["--bind" if writable else "--ro-bind", path, path]
 
 
 def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: list[str], gpu: bool,
-              keep: list[str] = ()) -> list[str]:
+              keep: list[str] = (), writable: list[str] = ()) -> list[str]:
     """The bwrap command line that runs `cmd` in the jail described in the module docstring.
-    `keep`: folders (the model's) visible even inside a strongly hidden one."""
+    `keep`: folders (the model's) visible even inside a strongly hidden one. `writable`: folders
+    mounted read-write at their own path, even inside a hidden one (a compile cache)."""
     visible = sorted({os.path.realpath(v) for v in visible if os.path.exists(v)})
     weak = [w for w in weak if w not in visible] + ([] if "/tmp" in weak else ["/tmp"])  # the workdir's tmpfs
     argv = [bwrap_path() or "bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
@@ -257,6 +259,8 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
         inside = [h for h in strong if _under(k, h) and h != k]
         if inside:  # the strong tmpfs above replaced any parents made before: make them again
             _bind_back(argv, k, inside, set())
+    for w in sorted({os.path.realpath(w) for w in writable if os.path.isdir(w)}):
+        _bind_back(argv, w, [h for h in weak + strong if _under(w, h) and h != w], set(), writable=True)
     argv += ["--perms", "1777", "--dir", WORKDIR]  # writable by the unprivileged user the worker becomes
     if gpu:
         for dev in sorted(glob.glob("/dev/nvidia*") + glob.glob("/dev/dri") + glob.glob("/dev/kfd")):
@@ -271,14 +275,16 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
     return argv + ["--"] + cmd
 
 
-def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool) -> tuple[list[str], Isolation, str]:
+def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool,
+         writable: list[str] = ()) -> tuple[list[str], Isolation, str]:
     """(argv, isolation, cwd inside) for a worker command: jailed with bubblewrap when it works.
-    `hide`: run folders (and any other folder) the worker must never see."""
+    `hide`: run folders (and any other folder) the worker must never see; `writable`: folders
+    it may write (jail_argv)."""
     iso = describe()
     if iso.kind != "bubblewrap":
         return cmd, iso, ""
     model_dirs = [str(Path(m).resolve().parent) for m in model_files]
     weak, strong = hidden_paths([Path(h) for h in hide] + [Path(d) for d in model_dirs])
     strong = [s for s in strong if s not in model_dirs]
-    return (jail_argv(cmd, weak=weak, strong=strong, visible=python_paths() + model_dirs, gpu=gpu, keep=model_dirs),
-            iso, WORKDIR)
+    return (jail_argv(cmd, weak=weak, strong=strong, visible=python_paths() + model_dirs, gpu=gpu, keep=model_dirs,
+                      writable=list(writable)), iso, WORKDIR)

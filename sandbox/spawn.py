@@ -72,6 +72,10 @@ class WorkerConfig:
     search's workers use 1: a torch.compile candidate then compiles in the worker's process and
     starts no process pool, which outlived its trial and so ended its worker (9 workers replaced,
     25-75 s each, in a 50-trial tune on the H200)."""
+    compile_cache: str | None = None
+    """A host folder, bound writable into the jail, that holds Inductor's and Triton's caches
+    instead of the worker's own empty ones (agent/ways.py: a compile baseline fills its mode's,
+    a way with our kernels starts from a copy of it). None: the worker's own, gone with it."""
 
 
 @dataclass
@@ -94,7 +98,8 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
            "--role", cfg.role, "--memory-gb", str(cfg.memory_gb),
            "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)] + [a for m in cfg.model_files for a in ("--preload", m)]
     argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
-                                  model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda")
+                                  model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda",
+                                  writable=[cfg.compile_cache] if cfg.compile_cache else [])
     if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":
         shutil.rmtree(tmpdir, ignore_errors=True)
         return Reply(False, status="crash", error=f"NIGHTSHIFT_REQUIRE_JAIL=1 and no jail: {iso.note}")
@@ -104,6 +109,8 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
     if cfg.interpret if cfg.interpret is not None else kind == "cpu":
         env["TRITON_INTERPRET"] = "1"
     env.pop("TRITON_CACHE_DIR", None)  # a cache shared between workers could be poisoned
+    if cfg.compile_cache:  # Triton's goes inside Inductor's (cache_dir()/triton) when unset
+        env["TORCHINDUCTOR_CACHE_DIR"] = cfg.compile_cache
     if cfg.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(cfg.compile_threads)
     marker = secrets.token_hex(8)
@@ -131,7 +138,7 @@ _SPARES_LOCK = threading.Lock()
 
 def _key(cfg: WorkerConfig) -> tuple:
     return (cfg.device, cfg.role, cfg.memory_gb, cfg.gpu_memory_fraction, cfg.interpret,
-            tuple(sorted(cfg.hide)), tuple(sorted(cfg.model_files)), cfg.compile_threads)
+            tuple(sorted(cfg.hide)), tuple(sorted(cfg.model_files)), cfg.compile_threads, cfg.compile_cache)
 
 
 def prestart(configs: list[WorkerConfig]) -> int:

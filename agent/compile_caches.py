@@ -1,0 +1,74 @@
+"""Inductor's and Triton's caches carried from a compile baseline to the ways that compile our
+kernels in the same mode.
+
+Every worker compiles into an empty cache of its own (a shared one could be poisoned), so the
+way "nightshift + max-autotune" compiled and autotuned again, for minutes, what the
+max-autotune baseline of the same model had just done. Here each compile baseline (the
+untouched model: no candidate code runs in its worker) fills its mode's folder in the run, and
+a way with our kernels starts from a copy of it, deleted after: what candidate code writes
+never reaches a baseline, whose speed is the rival's. The baselines' folders stay in the run
+(beside its frozen tensors they are small): integrating the run again compiles from them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from agent.flags import BASELINES
+
+FOLDER = "compile_cache"
+"""The baselines' caches, in the run folder (hidden from every worker, this one bound back)."""
+
+
+class CompileCaches:
+    def __init__(self, run_path: Path):
+        self.root = Path(run_path) / FOLDER
+        self.copies: list[str] = []
+
+    def folder(self, way: str) -> str | None:
+        """The cache folder a worker running `way` compiles in (None: its own, empty one)."""
+        if way in BASELINES:
+            return str(self._own(way))
+        base = next((b for b in BASELINES if way == f"nightshift + {b}"), None)
+        if base is None:
+            return None
+        outer = tempfile.mkdtemp(prefix="nightshift-cache-")  # 0700: nobody else reaches the copy
+        copy = os.path.join(outer, "cache")
+        source = self.root / base
+        try:
+            # A baseline still compiling renames files meanwhile: what could not be copied is compiled.
+            shutil.copytree(source, copy, symlinks=True) if source.is_dir() else os.mkdir(copy)
+        except (shutil.Error, OSError):
+            os.makedirs(copy, exist_ok=True)
+        _writable_by_all(copy)
+        self.copies.append(outer)
+        return copy
+
+    def _own(self, way: str) -> Path:
+        folder = self.root / way
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        _writable_by_all(str(folder))
+        return folder
+
+    def drop_copies(self) -> None:
+        for outer in self.copies:
+            shutil.rmtree(outer, ignore_errors=True)
+        self.copies.clear()
+
+
+def _writable_by_all(folder: str) -> None:
+    """A jailed worker started by root runs as `nobody`: it must write here, and in what an
+    earlier worker (or the copy, made by this process) left."""
+    for path, dirs, files in os.walk(folder):
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o777)
+        for f in files:
+            with contextlib.suppress(OSError):
+                full = os.path.join(path, f)
+                if not os.path.islink(full):
+                    os.chmod(full, 0o666 | (os.stat(full).st_mode & 0o111))

@@ -1,0 +1,89 @@
+"""A compile baseline's caches carried to the ways with our kernels in its mode
+(agent/compile_caches.py): the baseline's worker writes its mode's folder, a composed way's
+worker starts from a copy, and nothing a composed way (candidate code) writes reaches the
+baseline's folder; no other worker sees either."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A correct RMSNorm (the module's own forward) that leaves a mark in the cache it compiles into,
+# and fails when the mark it expects is not there: each way's verdict says what its worker saw.
+MARKS = '''import os
+
+
+def forward(module, x):
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    for name in {expect!r}:
+        if not os.path.exists(os.path.join(cache, name)):
+            raise RuntimeError(f"{{name}} is not in the cache this worker started from")
+    for name in {forbid!r}:
+        if os.path.exists(name):
+            raise RuntimeError(f"{{name}} is visible to this worker")
+    os.makedirs(cache, exist_ok=True)  # a worker's own is made on its first compile
+    with open(os.path.join(cache, {write!r}), "w") as f:
+        f.write({write!r})
+    return module(x)
+'''
+
+
+def _marks(expect=(), forbid=(), write="mark"):
+    from tools.trial import Candidate
+    return Candidate(region="RMSNorm", planner="manual",
+                     source=MARKS.format(expect=list(expect), forbid=list(forbid), write=write))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from agent.jobs import profile_and_freeze
+    tmp = tmp_path_factory.mktemp("compile_caches")
+    return profile_and_freeze(ROOT / "tests" / "models" / "tiny_rmsnorm.py", "cpu", None, tmp / "runs").run
+
+
+def test_a_composed_way_starts_from_a_copy_of_its_modes_baseline_and_never_writes_it(run):
+    from agent.compile_caches import CompileCaches
+    from agent.ways import side_by_side
+    from sandbox.pool import DevicePool
+    caches = CompileCaches(run.path)
+    pool = DevicePool("cpu", [run.problems_dir / "RMSNorm"], cpu_lock=True)
+    steps: list[str] = []
+    try:
+        first = side_by_side(pool, [("torch.compile", _marks(write="baseline")),
+                                    ("tuned", _marks(forbid=[str(caches.root)], write="tuned"))], steps.append,
+                             caches=caches)
+        assert {n: t.status.value for n, t in first.items()} == {"torch.compile": "ok", "tuned": "ok"}, steps
+        baseline = caches.root / "torch.compile"
+        assert (baseline / "baseline").read_text() == "baseline"
+        assert not (baseline / "tuned").exists()  # a way with no cache of its own compiled elsewhere
+        # The composed way sees the baseline's mark in its copy; what it writes lands in the copy only.
+        later = side_by_side(pool, [("nightshift + torch.compile", _marks(expect=["baseline"], write="composed")),
+                                    ("nightshift + reduce-overhead", _marks(forbid=[str(baseline)], write="other"))],
+                             steps.append, caches=caches)
+        assert {n: t.status.value for n, t in later.items()} == {"nightshift + torch.compile": "ok",
+                                                                 "nightshift + reduce-overhead": "ok"}, steps
+        assert sorted(os.listdir(baseline)) == ["baseline"] and (baseline / "baseline").read_text() == "baseline"
+        assert caches.copies == []  # dropped after their batch
+        assert pool.runners[0].config.compile_cache is None  # the kept runner's next worker has none
+    finally:
+        pool.close()
+        caches.drop_copies()
+
+
+def test_what_a_baseline_way_is_given_and_what_else_gets_nothing(tmp_path):
+    from agent.compile_caches import CompileCaches
+    caches = CompileCaches(tmp_path)
+    own = Path(caches.folder("max-autotune-no-cudagraphs"))
+    assert own == tmp_path / "compile_cache" / "max-autotune-no-cudagraphs"
+    assert own.stat().st_mode & 0o777 == 0o777 and caches.root.stat().st_mode & 0o777 == 0o700
+    (own / "sub").mkdir()
+    (own / "sub" / "kernel.so").write_bytes(b"x")
+    copy = Path(caches.folder("nightshift + max-autotune-no-cudagraphs"))
+    assert (copy / "sub" / "kernel.so").read_bytes() == b"x" and not copy.is_relative_to(tmp_path)
+    assert (copy / "sub").stat().st_mode & 0o777 == 0o777  # a worker run as nobody writes there too
+    assert Path(caches.folder("nightshift + reduce-overhead")).is_dir()  # no baseline yet: an empty one
+    assert caches.folder("tuned") is None and caches.folder("graphed") is None
+    caches.drop_copies()
+    assert not copy.exists() and own.is_dir()  # the baseline's stays: integrating again compiles from it
