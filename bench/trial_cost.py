@@ -24,7 +24,7 @@ the runner records per trial (`Trial.phases`):
         .import       importing the model file (its libraries load ahead, after the worker's hello)
         .build        building each region on the device
     load            importing the candidate and its first call per input shape (compiles)
-    lock_wait       waiting for the device lock (sibling workers verifying or timing)
+    lock_wait       waiting for the device lock (a sibling timing, or two verifying)
     refs            the reference worker's answers on the trial's fresh and perturbed draws
     verify          the verification calls in the candidate's worker (draws included)
     verify_outputs  copying, hashing and sending those outputs
@@ -152,9 +152,12 @@ def table(rows: list[dict], device: str) -> str:
                                         for g in groups])
     lines.append(["device s / trial"] + [f"{med(g, steady):.2f}" for g in groups])
     lines.append([f"trials / device-hour ({kind})"] + [f"{3600 / max(med(g, steady), 1e-9):.0f}" for g in groups])
-    # What holds the device lock: the bound when sibling workers load and compile meanwhile.
-    locked = lambda r: sum(r["phases"].get(p, 0.0) for p in ("refs", "verify", "time"))  # noqa: E731
-    lines.append(["locked s / trial"] + [f"{med(g, locked):.2f}" for g in groups])
+    # What holds the device lock: the bound when sibling workers load and compile meanwhile (a
+    # timing alone, verifications VERIFY_AT_ONCE at a time).
+    from sandbox.device_lock import VERIFY_AT_ONCE
+    locked = lambda r: (r["phases"].get("time", 0.0)  # noqa: E731
+                        + sum(r["phases"].get(p, 0.0) for p in ("refs", "verify")) / VERIFY_AT_ONCE)
+    lines.append([f"locked s / trial (verifying {VERIFY_AT_ONCE} at once)"] + [f"{med(g, locked):.2f}" for g in groups])
     lines.append(["  ... / device-hour, loads overlapped"] + [f"{3600 / max(med(g, locked), 1e-9):.0f}" for g in groups])
     lines.append(["status"] + [",".join(sorted({r['status'] for r in g})) for g in groups])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]

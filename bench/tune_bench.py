@@ -73,8 +73,10 @@ def one_run(out_dir: Path, hours: str, workers: int, extra: list[str]) -> dict:
 
 
 def _held(t) -> float:
-    """Seconds the trial held the device lock: the original's answers, its verification, its timing."""
-    return t.phases.get("refs", 0.0) + t.phases.get("verify", 0.0) + t.phases.get("time", 0.0)
+    """The trial's share of the device lock in seconds: its timing (alone) and the original's
+    answers and its verification (shared, VERIFY_AT_ONCE at a time)."""
+    from sandbox.device_lock import VERIFY_AT_ONCE
+    return t.phases.get("time", 0.0) + (t.phases.get("refs", 0.0) + t.phases.get("verify", 0.0)) / VERIFY_AT_ONCE
 
 
 def analyze(run_dir: Path) -> dict:

@@ -1,10 +1,12 @@
 """The lock a worker holds while it verifies or times on a GPU, across every tuner of the host.
 
-Within one tuner, sibling workers of a device share a thread lock (one times, the others
-compile). Two tuners sharing a GPU (`--devices cuda:0` while another run holds it, or
+A timing holds it alone; verifications share it (VERIFY_AT_ONCE of one tuner at a time), since
+what a verification finds does not depend on what runs beside it. Within one tuner, sibling
+workers of a device share it in-process (one times, the others compile). Two tuners sharing a GPU (`--devices cuda:0` while another run holds it, or
 integration beside a search) would otherwise time at once and each see the other's kernels in
 its numbers. So the lock is also an `flock` on a file per physical device, which the kernel
-releases when its holder dies: a killed tuner never leaves the GPU locked.
+releases when its holder dies: a killed tuner never leaves the GPU locked (shared for a
+verification, exclusive for a timing).
 
 The files live in NIGHTSHIFT_LOCK_DIR (default: a folder under the system's temporary folder,
 shared by every user of the host). Where no such file can be opened, the lock holds within
@@ -19,6 +21,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 
 def lock_dir() -> Path:
@@ -34,42 +37,107 @@ def physical_device(device: str) -> str:
     return f"cuda-{visible[index] if index < len(visible) else index}"
 
 
+VERIFY_AT_ONCE = 2
+"""Verifications of one tuner that may hold a device at once (`DeviceLock.verifying`). A
+verification's answers do not depend on what else runs, only a timing's do; two at a time, as
+concurrent outputs cost device memory (7 of 122 trials of the example ran out of it on the
+H100 with eight lanes that each verified alone, 2026-12-06)."""
+
+
 class DeviceLock:
-    def __init__(self, device: str):
+    """Held exclusively (`with lock:`) while a worker times; shared (`verifying()`) while one
+    verifies. A timing waits for the verifications under way and none starts while it waits."""
+
+    def __init__(self, device: str, across_processes: bool = True):
         self.device = device
         self.path = lock_dir() / f"{physical_device(device).replace(':', '-')}.lock"
-        self.threads = threading.Lock()
+        self.cond = threading.Condition()
+        self.verifiers = 0
+        self.timing = False
+        self.timings_waiting = 0
         self.fd: int | None = None
-        self.shared = True
+        self.shared = across_processes
         try:
-            if not self.path.parent.is_dir():
+            if self.shared and not self.path.parent.is_dir():
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 os.chmod(self.path.parent, 0o1777)  # every user's tuners lock the same files
         except OSError:
             self.shared = False
 
-    def __enter__(self) -> "DeviceLock":
-        self.threads.acquire()
+    def _flock(self, how: int) -> int | None:
+        """This acquisition's own open file, flocked (None where files cannot be locked)."""
         if not self.shared:
-            return self
+            return None
+        fd = None
         try:
             # Opened per acquisition: flock belongs to an open file, so two locks of one process
             # (integration beside a search) exclude each other as two processes do.
             # (read-only: a file another user created can still be locked)
-            self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+            fcntl.flock(fd, how)
+            return fd
         except OSError:
-            if self.fd is not None:
-                os.close(self.fd)
-            self.fd, self.shared = None, False
+            if fd is not None:
+                os.close(fd)
+            self.shared = False
+            return None
+
+    @staticmethod
+    def _unflock(fd: int | None) -> None:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def __enter__(self) -> "DeviceLock":
+        with self.cond:
+            self.timings_waiting += 1
+            try:
+                while self.timing or self.verifiers:
+                    self.cond.wait()
+            finally:
+                self.timings_waiting -= 1
+            self.timing = True
+        try:
+            self.fd = self._flock(fcntl.LOCK_EX)
+        except BaseException:
+            self._release()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = None
-        self.threads.release()
+        self._unflock(self.fd)
+        self.fd = None
+        self._release()
+
+    def _release(self) -> None:
+        with self.cond:
+            self.timing = False
+            self.cond.notify_all()
+
+    def locked(self) -> bool:
+        """Held by a timing or a verification."""
+        return self.timing or self.verifiers > 0
+
+    @contextlib.contextmanager
+    def verifying(self):
+        with self.cond:
+            while self.timing or self.timings_waiting or self.verifiers >= VERIFY_AT_ONCE:
+                self.cond.wait()
+            self.verifiers += 1
+        fd = None
+        try:
+            fd = self._flock(fcntl.LOCK_SH)
+            yield self
+        finally:
+            self._unflock(fd)
+            with self.cond:
+                self.verifiers -= 1
+                self.cond.notify_all()
+
+
+def verifying(lock: Any):
+    """`lock.verifying()` where the lock has one (a DeviceLock), else the lock itself."""
+    return lock.verifying() if isinstance(lock, DeviceLock) else lock
 
 
 class HostQuiet:

@@ -1,7 +1,7 @@
 """A device pool: the one way in for running trials on one device.
 
 It owns what the runners of one device share: the device's lock (on a GPU a `DeviceLock`, held
-across every tuner of the host while one worker verifies or times; none on the CPU, where lanes
+across every tuner of the host while a worker times, shared while workers verify; none on the CPU, where lanes
 time side by side), one reference worker (which never runs candidate code), and `workers`
 `TrialRunner`s, siblings of each other, so the others stop while one times (`TrialRunner.quiet`);
 on a GPU (and for CPU pools that lock), siblings of every other such pool's runners in this
@@ -38,18 +38,6 @@ _QUIET: dict[str, HostQuiet] = {}
 _SHARED = threading.Lock()
 
 
-class _CpuLock:  # a threading.Lock cannot be weakly referenced
-    def __init__(self):
-        self.inner = threading.Lock()
-
-    def __enter__(self):
-        self.inner.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.inner.release()
-
-
 def _shared(device: str) -> tuple[Any, list[TrialRunner], HostQuiet]:
     """One lock object, one sibling list and one HostQuiet per device in this process, for every
     pool on a GPU and every CPU pool that locks (integration's ways, its early baselines): each
@@ -58,7 +46,7 @@ def _shared(device: str) -> tuple[Any, list[TrialRunner], HostQuiet]:
     with _SHARED:
         lock = _LOCKS.get(device)
         if lock is None:
-            lock = _LOCKS[device] = DeviceLock(device) if device != "cpu" else _CpuLock()
+            lock = _LOCKS[device] = DeviceLock(device, across_processes=device != "cpu")
         if device not in _QUIET:
             _QUIET[device] = HostQuiet(overlap=_judges_beside_timings(device))
         return lock, _RUNNERS.setdefault(device, []), _QUIET[device]
@@ -96,7 +84,7 @@ class DevicePool:
                  limits: Limits | None = None, memory_gb: float = 8.0, label: str | None = None,
                  cpu_lock: bool = False, compile_threads: int | None = None):
         """`device`: `cpu` or `cuda:N`. `label` names the device in trials (default: `device`).
-        `cpu_lock`: on the CPU too, one worker verifies or times at a time and the others stop
+        `cpu_lock`: on the CPU too, a timing holds the device alone and the others stop
         meanwhile (integration's ways of running the model); CPU lanes of the search do not wait
         for each other. `compile_threads`: the candidate workers' (WorkerConfig)."""
         self.device, self.label = device, label or device

@@ -21,7 +21,7 @@ from typing import Any
 
 from sandbox import timed
 from sandbox.client import Reply, Worker, WorkerConfig
-from sandbox.device_lock import HostQuiet
+from sandbox.device_lock import HostQuiet, verifying
 from sandbox.reference import ReferenceWorker, register
 from sandbox.seeds import seed
 from tools import verify
@@ -216,7 +216,7 @@ class TrialRunner:
     def _probe_compiled(self, trial: Trial) -> None:
         """A candidate that uses torch.compile says how it really ran (sandbox/compiled.py): a
         way that fell back to eager is flagged, never ranked under the compiler's name."""
-        with self.device_lock:
+        with verifying(self.device_lock):
             reply = self.worker.request({"op": "compiled"}, timeout=self.limits.run_s)
         if reply.ok and reply.header.get("dynamo"):
             trial.dynamo = reply.header["dynamo"]
@@ -318,7 +318,7 @@ class TrialRunner:
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
         t_wait = time.monotonic()
         self.step("waiting for the device")
-        with self.device_lock:
+        with verifying(self.device_lock):  # beside other verifications, never beside a timing
             self.step("verifying")
             t_refs = time.monotonic()
             self.phases["lock_wait"] = self.phases.get("lock_wait", 0.0) + t_refs - t_wait

@@ -206,6 +206,81 @@ def test_two_tuners_sharing_a_gpu_never_time_at_once(tmp_path, monkeypatch):
     assert DeviceLock("cuda:1").path.name == "cuda-5.lock"
 
 
+def test_verifications_share_the_device_and_a_timing_has_it_alone(tmp_path, monkeypatch):
+    """Verifications hold the device lock shared, VERIFY_AT_ONCE at a time, in this tuner and
+    beside another's; a timing waits for every one under way (in either tuner), and no new one
+    starts while a timing waits."""
+    import subprocess
+    import sys
+    import threading
+    import time
+    from sandbox.device_lock import VERIFY_AT_ONCE, DeviceLock
+    monkeypatch.setenv("NIGHTSHIFT_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    lock = DeviceLock("cuda:0")
+    events: list[str] = []
+
+    def hold(kind: str, name: str, release: threading.Event) -> threading.Thread:
+        def run():
+            with (lock.verifying() if kind == "verify" else lock):
+                events.append(f"{name} in")
+                release.wait(10)
+            events.append(f"{name} out")
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def settle(n: int) -> None:
+        deadline = time.monotonic() + 5
+        while len([e for e in events if e.endswith(" in")]) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # time for anything that should not get in to get in
+
+    assert VERIFY_AT_ONCE == 2
+    go = [threading.Event() for _ in range(5)]
+    threads = [hold("verify", "v1", go[0]), hold("verify", "v2", go[1])]
+    settle(2)
+    threads.append(hold("verify", "v3", go[2]))  # a third waits for one of the two
+    settle(2)
+    assert sorted(events) == ["v1 in", "v2 in"], events
+    go[0].set()
+    settle(3)
+    assert "v3 in" in events, events
+    threads.append(hold("time", "t", go[3]))  # waits for v2 and v3 ...
+    time.sleep(0.2)
+    threads.append(hold("verify", "v4", go[4]))  # ... and v4 waits behind it
+    settle(3)
+    assert "t in" not in events and "v4 in" not in events, events
+    go[1].set()
+    go[2].set()
+    settle(4)
+    assert "t in" in events and "v4 in" not in events, events
+    go[3].set()
+    go[4].set()
+    for t in threads:
+        t.join(10)
+    assert events.index("v4 in") > events.index("t out"), events
+    # Another tuner verifying: this one verifies beside it, and times only once it is gone.
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+         "from sandbox.device_lock import DeviceLock; v = DeviceLock('cuda:0').verifying(); v.__enter__(); "
+         "print('held', flush=True); time.sleep(60)", str(Path(__file__).resolve().parent.parent)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        with lock.verifying():
+            pass
+        timed = threading.Event()
+        t = threading.Thread(target=lambda: (lock.__enter__(), timed.set(), lock.__exit__()), daemon=True)
+        t.start()
+        assert not timed.wait(0.5), "timed while another tuner verified"
+        other.kill()
+        assert timed.wait(10), "the lock of a dead tuner's verification was not released"
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_workers_started_ahead_for_the_search_do_not_make_its_gpu_look_busy(monkeypatch):
     """The search's workers start while the model is frozen, each holding a CUDA context: the
     idle check that picks the search's GPUs afterwards must not count them as other work (three

@@ -144,7 +144,7 @@ class LocalExecutor:
     def __init__(self, slots: list[Slot], problem_dirs: list[Path], limits: Limits | None = None,
                  memory_gb: float = 8.0, workers_per_device: int | None = None):
         """`workers_per_device` (default: `default_workers_per_gpu` on GPUs, 1 on the CPU): while
-        one worker verifies or times on the device (under the device's lock), the others import
+        one worker times on the device (or two verify: the device's lock), the others import
         and compile their next candidates and the tuner judges the last outputs, so the GPU does
         not wait. One `DevicePool` per device (slots naming one device share it, and its reference
         worker and charging); each of its workers is a lane, fed with its slot's generation."""
