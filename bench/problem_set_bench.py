@@ -4,12 +4,14 @@ tuned model against eager and every torch.compile mode side by side.
     python bench/problem_set_bench.py OUT_DIR MODEL.py [MODEL.py ...] [--candidates N] [--gpu-hours H]
         [--parallel K] [--modes all|torch.compile,...] [--again]
 
-For each model file: `agent tune --model F --no-integrate` (template and compiler planners),
-then integration with the compile baselines (`--modes`, default every mode), every number from
-one run of the sandbox's trial path. `--parallel K`: tunes run K at a time on the one GPU (two
-workers each, their timings kept apart by the device lock; the others' compiles may still run
-beside a region's timing), then the wave's integrations one by one with nothing else on the
-device, so the end-to-end numbers are as clean as with K = 1.
+For each model file: `agent tune --model F` (template and compiler planners) with its
+integration and the compile baselines (`--modes`, default every mode), as a user runs it: the
+baselines compile beside the search and the ways with our kernels start from their caches.
+Every number comes from one run of the sandbox's trial path. `--parallel K`: tunes run K at a
+time on the one GPU (`--no-integrate`, two workers each, their timings kept apart by the device
+lock; the others' compiles may still run beside a region's timing), then the wave's
+integrations one by one with nothing else on the device, so the end-to-end numbers are as
+clean as with K = 1.
 
 Each problem's row is appended to OUT_DIR/rows.jsonl as it ends, and a problem with a row
 there is not run again (unless `--again`): a set too long for one device lease is run over
@@ -81,9 +83,11 @@ def tune(model: Path) -> tuple[dict, dict | None]:
     # Tunes run side by side in waves: they share the GPU explicitly (each sees the others'
     # memory), with fewer workers each; the device lock keeps their timings apart.
     shared = ["--devices", "cuda:0", "--workers-per-gpu", "2"] if parallel > 1 and _cuda() else []
+    # One at a time, the tune integrates itself (its baselines compile beside its search).
+    ending = ["--no-integrate"] if parallel > 1 else ["--baselines", "--compile-modes", ",".join(modes)]
     done = subprocess.run([sys.executable, "-m", "agent", "tune", "--model", str(model), "--runs-dir", str(runs_dir),
                            "--max-candidates", opts["--candidates"], "--gpu-hours", opts["--gpu-hours"],
-                           "--planner", opts["--planner"], "--no-integrate", "--json", *shared],
+                           "--planner", opts["--planner"], "--json", *ending, *shared],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     (out_dir / f"{model.stem}.tune.log").write_text(done.stdout[-20000:] + "\n--- stderr\n" + done.stderr[-20000:])
     row["tune_s"] = round(time.time() - t0)
@@ -103,16 +107,24 @@ def _cuda() -> bool:
 
 
 def integrate_row(row: dict, summary: dict) -> dict:
-    """Integration with the chosen compile baselines, with nothing else on the device."""
+    """The tune's own integration (one tune at a time), or integration with the chosen compile
+    baselines with nothing else on the device (after a wave of tunes side by side)."""
     from agent.integrate import integrate  # noqa: E402
+    from tools.e2e import IntegrationResult  # noqa: E402
     from tools.runfolder import RunFolder  # noqa: E402
     t0 = time.time()
-    try:
-        res = integrate(RunFolder.open(Path(summary["run"])), None, baselines=True, modes=modes,
-                        cuda_graphs=False, on_step=step)
-    except Exception as e:  # a model whose integration fails is a row with its reason, not the end
-        row.update(error=f"integrate: {type(e).__name__}: {str(e)[:160]}")
-        return row
+    if parallel == 1:
+        res = IntegrationResult.load(Path(summary["run"]))
+        if res is None:
+            row.update(error=f"integrate: {str(summary.get('integration') or 'no integration.json')[:160]}")
+            return row
+    else:
+        try:
+            res = integrate(RunFolder.open(Path(summary["run"])), None, baselines=True, modes=modes,
+                            cuda_graphs=False, on_step=step)
+        except Exception as e:  # a model whose integration fails is a row with its reason, not the end
+            row.update(error=f"integrate: {type(e).__name__}: {str(e)[:160]}")
+            return row
     w = {x.name: x.weight for x in res.workloads}
     total = sum(w.values()) or 1.0
     eager = sum(x.weight * x.eager_ms for x in res.workloads) / total
