@@ -5,8 +5,8 @@ Every worker compiles into an empty cache of its own (a shared one could be pois
 way "nightshift + max-autotune" compiled and autotuned again, for minutes, what the
 max-autotune baseline of the same model had just done. Here each compile baseline (the
 untouched model: no candidate code runs in its worker) fills its mode's folder in the run, and
-a way with our kernels starts from a copy of it, deleted after: what candidate code writes
-never reaches a baseline, whose speed is the rival's. The baselines' folders stay in the run
+a way with our kernels starts from a copy of it, deleted when integration ends: what candidate
+code writes never reaches a baseline, whose speed is the rival's. The baselines' folders stay in the run
 (beside its frozen tensors they are small): integrating the run again compiles from them too.
 """
 
@@ -27,25 +27,33 @@ FOLDER = "compile_cache"
 class CompileCaches:
     def __init__(self, run_path: Path):
         self.root = Path(run_path) / FOLDER
-        self.copies: list[str] = []
+        self.copies: dict[str, str] = {}
+        """Way -> the folder holding its latest copy (deleted by `drop_copies`)."""
 
     def folder(self, way: str) -> str | None:
-        """The cache folder a worker running `way` compiles in (None: its own, empty one)."""
+        """The cache folder a worker running `way` compiles in (None: its own, empty one). A way
+        with our kernels run again (integration's reroute, or after its winners were routed in
+        one by one) starts from what it compiled the first time, which holds the baseline's too:
+        a cache its candidate code wrote only ever reaches that same way, verified and timed
+        again, never a baseline."""
         if way in BASELINES:
             return str(self._own(way))
         base = next((b for b in BASELINES if way == f"nightshift + {b}"), None)
         if base is None:
             return None
+        earlier = self.copies.get(way)
+        source = Path(earlier, "cache") if earlier else self.root / base
         outer = tempfile.mkdtemp(prefix="nightshift-cache-")  # 0700: nobody else reaches the copy
         copy = os.path.join(outer, "cache")
-        source = self.root / base
         try:
             # A baseline still compiling renames files meanwhile: what could not be copied is compiled.
             shutil.copytree(source, copy, symlinks=True) if source.is_dir() else os.mkdir(copy)
         except (shutil.Error, OSError):
             os.makedirs(copy, exist_ok=True)
         _writable_by_all(copy)
-        self.copies.append(outer)
+        if earlier:
+            shutil.rmtree(earlier, ignore_errors=True)  # its worker is closed: the new copy holds it all
+        self.copies[way] = outer
         return copy
 
     def _own(self, way: str) -> Path:
@@ -56,7 +64,8 @@ class CompileCaches:
         return folder
 
     def drop_copies(self) -> None:
-        for outer in self.copies:
+        """Every copy deleted (integration has ended)."""
+        for outer in self.copies.values():
             shutil.rmtree(outer, ignore_errors=True)
         self.copies.clear()
 

@@ -172,8 +172,6 @@ def side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: C
                 for r in runners:
                     r.verify_seeds = draw
                 _batch(runners, batch, trials, on_step, keep=runner, stop=first_failed, caches=caches)
-                if caches is not None:
-                    caches.drop_copies()
                 if first_failed():
                     break
     finally:

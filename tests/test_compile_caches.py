@@ -1,7 +1,7 @@
 """A compile baseline's caches carried to the ways with our kernels in its mode
 (agent/compile_caches.py): the baseline's worker writes its mode's folder, a composed way's
-worker starts from a copy, and nothing a composed way (candidate code) writes reaches the
-baseline's folder; no other worker sees either."""
+worker starts from a copy (run again, from its own earlier copy), and nothing a composed way
+(candidate code) writes reaches the baseline's folder; no other worker sees either."""
 
 import os
 from pathlib import Path
@@ -65,11 +65,17 @@ def test_a_composed_way_starts_from_a_copy_of_its_modes_baseline_and_never_write
         assert {n: t.status.value for n, t in later.items()} == {"nightshift + torch.compile": "ok",
                                                                  "nightshift + reduce-overhead": "ok"}, steps
         assert sorted(os.listdir(baseline)) == ["baseline"] and (baseline / "baseline").read_text() == "baseline"
-        assert caches.copies == []  # dropped after their batch
         assert pool.runners[0].config.compile_cache is None  # the kept runner's next worker has none
+        # Run again (a reroute), the composed way starts from what it compiled the first time.
+        first_copy = caches.copies["nightshift + torch.compile"]
+        again = side_by_side(pool, [("nightshift + torch.compile", _marks(expect=["baseline", "composed"],
+                                                                          write="again"))], steps.append, caches=caches)
+        assert again["nightshift + torch.compile"].status.value == "ok", steps
+        assert sorted(os.listdir(baseline)) == ["baseline"] and not Path(first_copy).exists()
     finally:
         pool.close()
         caches.drop_copies()
+    assert caches.copies == {}
 
 
 def test_what_a_baseline_way_is_given_and_what_else_gets_nothing(tmp_path):
