@@ -29,6 +29,8 @@ class CompileCaches:
         self.root = Path(run_path) / FOLDER
         self.copies: dict[str, str] = {}
         """Way -> the folder holding its latest copy (deleted by `drop_copies`)."""
+        self.said: dict[str, str] = {}
+        """Way -> where its latest copy came from and its size, for the progress log."""
 
     def folder(self, way: str) -> str | None:
         """The cache folder a worker running `way` compiles in (None: its own, empty one). A way
@@ -54,6 +56,9 @@ class CompileCaches:
         if earlier:
             shutil.rmtree(earlier, ignore_errors=True)  # its worker is closed: the new copy holds it all
         self.copies[way] = outer
+        size = sum(f.stat().st_size for f in Path(copy).rglob("*") if f.is_file() and not f.is_symlink())
+        origin = "its own first compile's" if earlier else f"the {base} baseline's"
+        self.said[way] = f"{way} compiles from a copy of {origin} cache ({size / 2**20:.0f} MB)"
         return copy
 
     def _own(self, way: str) -> Path:

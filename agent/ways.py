@@ -195,6 +195,8 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
         if folder is not None or r.config.compile_cache is not None:
             r.worker.kill()  # a worker is started for its cache, and never reused
             r.config.compile_cache = folder
+        if caches is not None and name in caches.said:
+            on_step(caches.said.pop(name))
     t0 = time.monotonic()
     loads = [threading.Thread(target=r.preload, args=(c,), daemon=True) for r, (_, c) in zip(runners, batch)]
     for t in loads:

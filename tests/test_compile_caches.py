@@ -71,6 +71,8 @@ def test_a_composed_way_starts_from_a_copy_of_its_modes_baseline_and_never_write
         again = side_by_side(pool, [("nightshift + torch.compile", _marks(expect=["baseline", "composed"],
                                                                           write="again"))], steps.append, caches=caches)
         assert again["nightshift + torch.compile"].status.value == "ok", steps
+        assert "nightshift + torch.compile compiles from a copy of the torch.compile baseline's cache (0 MB)" in steps
+        assert "nightshift + torch.compile compiles from a copy of its own first compile's cache (0 MB)" in steps
         assert sorted(os.listdir(baseline)) == ["baseline"] and not Path(first_copy).exists()
     finally:
         pool.close()
