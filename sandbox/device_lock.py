@@ -41,7 +41,8 @@ VERIFY_AT_ONCE = 2
 """Verifications of one tuner that may hold a device at once (`DeviceLock.verifying`). A
 verification's answers do not depend on what else runs, only a timing's do; two at a time, as
 concurrent outputs cost device memory (7 of 122 trials of the example ran out of it on the
-H100 with eight lanes that each verified alone, 2026-12-06)."""
+H100 with eight lanes that each verified alone, 2026-12-06). A whole model verifies alone
+(sandbox/runner.py)."""
 
 
 class DeviceLock:
@@ -135,9 +136,12 @@ class DeviceLock:
                 self.cond.notify_all()
 
 
-def verifying(lock: Any):
-    """`lock.verifying()` where the lock has one (a DeviceLock), else the lock itself."""
-    return lock.verifying() if isinstance(lock, DeviceLock) else lock
+def verifying(lock: Any, whole_model: bool = False):
+    """How a verification holds `lock`: shared where the lock is a DeviceLock, but for a whole
+    model's, which holds the most device memory (a KV cache's gigabytes) and takes it alone (a
+    compile baseline lost to memory would leave the report without its rival); other locks
+    (tests' plain ones) whole."""
+    return lock.verifying() if isinstance(lock, DeviceLock) and not whole_model else lock
 
 
 class HostQuiet:

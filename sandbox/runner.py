@@ -318,7 +318,7 @@ class TrialRunner:
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
         t_wait = time.monotonic()
         self.step("waiting for the device")
-        with verifying(self.device_lock):  # beside other verifications, never beside a timing
+        with verifying(self.device_lock, whole_model=p.is_whole_model):
             self.step("verifying")
             t_refs = time.monotonic()
             self.phases["lock_wait"] = self.phases.get("lock_wait", 0.0) + t_refs - t_wait

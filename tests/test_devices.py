@@ -260,6 +260,9 @@ def test_verifications_share_the_device_and_a_timing_has_it_alone(tmp_path, monk
     for t in threads:
         t.join(10)
     assert events.index("v4 in") > events.index("t out"), events
+    # A whole model verifies alone (the most device memory); a region's shares.
+    from sandbox.device_lock import verifying
+    assert verifying(lock, whole_model=True) is lock and verifying(lock) is not lock
     # Another tuner verifying: this one verifies beside it, and times only once it is gone.
     other = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
