@@ -1,10 +1,10 @@
 """The lock a worker holds while it verifies or times on a GPU, across every tuner of the host.
 
-A timing holds it alone; verifications share it (VERIFY_AT_ONCE of one tuner at a time), since
-what a verification finds does not depend on what runs beside it. Within one tuner, sibling
-workers of a device share it in-process (one times, the others compile). Two tuners sharing a GPU (`--devices cuda:0` while another run holds it, or
-integration beside a search) would otherwise time at once and each see the other's kernels in
-its numbers. So the lock is also an `flock` on a file per physical device, which the kernel
+A timing holds it alone; regions' verifications share it (VERIFY_AT_ONCE of one tuner at a
+time), since what a verification finds does not depend on what runs beside it. Within one tuner,
+sibling workers of a device share it in-process (one times, the others compile). Two tuners
+sharing a GPU (`--devices cuda:0` while another run holds it, or integration beside a search)
+would otherwise time at once and each see the other's kernels in its numbers. So the lock is also an `flock` on a file per physical device, which the kernel
 releases when its holder dies: a killed tuner never leaves the GPU locked (shared for a
 verification, exclusive for a timing).
 
