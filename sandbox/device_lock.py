@@ -45,6 +45,53 @@ H100 with eight lanes that each verified alone, 2026-12-06). A whole model verif
 (sandbox/runner.py)."""
 
 
+class SharedExclusive:
+    """A readers-writer lock within one process that prefers the writer: `exclusive()` waits for
+    the holders under way and, while it waits, lets no new `shared()` holder start; at most
+    `limit` share it at once (None: any number)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.cond = threading.Condition()
+        self.sharing = 0
+        self.alone = False
+        self.waiting_alone = 0
+
+    def acquire(self, alone: bool) -> None:
+        with self.cond:
+            if alone:
+                self.waiting_alone += 1
+                try:
+                    while self.alone or self.sharing:
+                        self.cond.wait()
+                finally:
+                    self.waiting_alone -= 1
+                self.alone = True
+                return
+            while self.alone or self.waiting_alone or (self.limit is not None and self.sharing >= self.limit):
+                self.cond.wait()
+            self.sharing += 1
+
+    def release(self, alone: bool) -> None:
+        with self.cond:
+            if alone:
+                self.alone = False
+            else:
+                self.sharing -= 1
+            self.cond.notify_all()
+
+    def held(self) -> bool:
+        return self.alone or self.sharing > 0
+
+    @contextlib.contextmanager
+    def holding(self, alone: bool):
+        self.acquire(alone)
+        try:
+            yield
+        finally:
+            self.release(alone)
+
+
 class DeviceLock:
     """Held exclusively (`with lock:`) while a worker times; shared (`verifying()`) while one
     verifies. A timing waits for the verifications under way and none starts while it waits."""
@@ -52,10 +99,7 @@ class DeviceLock:
     def __init__(self, device: str, across_processes: bool = True):
         self.device = device
         self.path = lock_dir() / f"{physical_device(device).replace(':', '-')}.lock"
-        self.cond = threading.Condition()
-        self.verifiers = 0
-        self.timing = False
-        self.timings_waiting = 0
+        self.rw = SharedExclusive(limit=VERIFY_AT_ONCE)
         self.fd: int | None = None
         self.shared = across_processes
         try:
@@ -90,50 +134,31 @@ class DeviceLock:
             os.close(fd)
 
     def __enter__(self) -> "DeviceLock":
-        with self.cond:
-            self.timings_waiting += 1
-            try:
-                while self.timing or self.verifiers:
-                    self.cond.wait()
-            finally:
-                self.timings_waiting -= 1
-            self.timing = True
+        self.rw.acquire(alone=True)
         try:
             self.fd = self._flock(fcntl.LOCK_EX)
         except BaseException:
-            self._release()
+            self.rw.release(alone=True)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
         self._unflock(self.fd)
         self.fd = None
-        self._release()
-
-    def _release(self) -> None:
-        with self.cond:
-            self.timing = False
-            self.cond.notify_all()
+        self.rw.release(alone=True)
 
     def locked(self) -> bool:
         """Held by a timing or a verification."""
-        return self.timing or self.verifiers > 0
+        return self.rw.held()
 
     @contextlib.contextmanager
     def verifying(self):
-        with self.cond:
-            while self.timing or self.timings_waiting or self.verifiers >= VERIFY_AT_ONCE:
-                self.cond.wait()
-            self.verifiers += 1
-        fd = None
-        try:
+        with self.rw.holding(alone=False):
             fd = self._flock(fcntl.LOCK_SH)
-            yield self
-        finally:
-            self._unflock(fd)
-            with self.cond:
-                self.verifiers -= 1
-                self.cond.notify_all()
+            try:
+                yield self
+            finally:
+                self._unflock(fd)
 
 
 def verifying(lock: Any, whole_model: bool = False):
@@ -157,40 +182,15 @@ class HostQuiet:
 
     def __init__(self, overlap: bool = False):
         self.overlap = overlap
-        self.cond = threading.Condition()
-        self.judging = 0
-        self.timing_now = False
-        self.timings_waiting = 0
+        self.rw = SharedExclusive()
 
-    @contextlib.contextmanager
     def busy(self):
-        with self.cond:
-            while self.timing_now or self.timings_waiting:
-                self.cond.wait()
-            self.judging += 1
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.judging -= 1
-                self.cond.notify_all()
+        return self.rw.holding(alone=False)
 
     @contextlib.contextmanager
     def timing(self, whole_model: bool = True):
         if self.overlap and not whole_model:
             yield
             return
-        with self.cond:
-            self.timings_waiting += 1
-            try:
-                while self.timing_now or self.judging:
-                    self.cond.wait()
-            finally:
-                self.timings_waiting -= 1
-            self.timing_now = True
-        try:
+        with self.rw.holding(alone=True):
             yield
-        finally:
-            with self.cond:
-                self.timing_now = False
-                self.cond.notify_all()

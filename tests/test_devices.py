@@ -166,24 +166,31 @@ def test_every_gpu_busy_with_gpu_frozen_problems_stops_with_a_clear_error(monkey
         tuning.run_tune(run, "template", "cpu", StopRule())
 
 
+def _other_tuner_holding(acquire: str):
+    """Another process that has run `acquire` (an expression on DeviceLock) and holds what it
+    took until killed: another tuner on the same host."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+         f"from sandbox.device_lock import DeviceLock; held = {acquire}; print('held', flush=True); time.sleep(60)",
+         str(Path(__file__).resolve().parent.parent)],
+        stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
 def test_two_tuners_sharing_a_gpu_never_time_at_once(tmp_path, monkeypatch):
     """The device lock holds across processes (an flock per physical GPU): while another tuner
     holds cuda:0, this one waits; the holder's death frees it; GPUs renumbered by
     CUDA_VISIBLE_DEVICES lock the physical device, and two GPUs do not share a lock."""
-    import subprocess
-    import sys
     import threading
     import time
     from sandbox.device_lock import DeviceLock, physical_device
     monkeypatch.setenv("NIGHTSHIFT_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-         "from sandbox.device_lock import DeviceLock; l = DeviceLock('cuda:0').__enter__(); "
-         "print('held', flush=True); time.sleep(60)", str(Path(__file__).resolve().parent.parent)],
-        stdout=subprocess.PIPE, text=True)
+    holder = _other_tuner_holding("DeviceLock('cuda:0').__enter__()")
     try:
-        assert holder.stdout.readline().strip() == "held"
         got = threading.Event()
 
         def take():
@@ -210,8 +217,6 @@ def test_verifications_share_the_device_and_a_timing_has_it_alone(tmp_path, monk
     """Verifications hold the device lock shared, VERIFY_AT_ONCE at a time, in this tuner and
     beside another's; a timing waits for every one under way (in either tuner), and no new one
     starts while a timing waits."""
-    import subprocess
-    import sys
     import threading
     import time
     from sandbox.device_lock import VERIFY_AT_ONCE, DeviceLock
@@ -264,13 +269,8 @@ def test_verifications_share_the_device_and_a_timing_has_it_alone(tmp_path, monk
     from sandbox.device_lock import verifying
     assert verifying(lock, whole_model=True) is lock and verifying(lock) is not lock
     # Another tuner verifying: this one verifies beside it, and times only once it is gone.
-    other = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-         "from sandbox.device_lock import DeviceLock; v = DeviceLock('cuda:0').verifying(); v.__enter__(); "
-         "print('held', flush=True); time.sleep(60)", str(Path(__file__).resolve().parent.parent)],
-        stdout=subprocess.PIPE, text=True)
+    other = _other_tuner_holding("DeviceLock('cuda:0').verifying().__enter__()")
     try:
-        assert other.stdout.readline().strip() == "held"
         with lock.verifying():
             pass
         timed = threading.Event()
