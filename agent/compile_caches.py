@@ -32,14 +32,18 @@ class CompileCaches:
         self.said: dict[str, str] = {}
         """Way -> where its latest copy came from and its size, for the progress log."""
 
-    def folder(self, way: str) -> str | None:
-        """The cache folder a worker running `way` compiles in (None: its own, empty one). A way
-        with our kernels run again (integration's reroute, or after its winners were routed in
-        one by one) starts from what it compiled the first time, which holds the baseline's too:
-        a cache its candidate code wrote only ever reaches that same way, verified and timed
-        again, never a baseline."""
+    def folder(self, way: str) -> tuple[str, str] | None:
+        """(the cache folder a worker running `way` compiles in, the path its jail shows it at),
+        None: its own, empty one. A copy is shown at its baseline's path: Triton's and Inductor's
+        files name each other by absolute path (a group file lists its kernel's files), so a copy
+        seen elsewhere sends the worker to the baseline's folder, hidden in its jail (every way
+        with our kernels failed so on the H100, 2026-12-06). A way with our kernels run again
+        (integration's reroute, or after its winners were routed in one by one) starts from what
+        it compiled the first time, which holds the baseline's too: a cache its candidate code
+        wrote only ever reaches that same way, verified and timed again, never a baseline."""
         if way in BASELINES:
-            return str(self._own(way))
+            own = str(self._own(way))
+            return own, own
         base = next((b for b in BASELINES if way == f"nightshift + {b}"), None)
         if base is None:
             return None
@@ -59,7 +63,7 @@ class CompileCaches:
         size = sum(f.stat().st_size for f in Path(copy).rglob("*") if f.is_file() and not f.is_symlink())
         origin = "its own first compile's" if earlier else f"the {base} baseline's"
         self.said[way] = f"{way} compiles from a copy of {origin} cache ({size / 2**20:.0f} MB)"
-        return copy
+        return copy, str(self.root / base)
 
     def _own(self, way: str) -> Path:
         folder = self.root / way

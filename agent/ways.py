@@ -178,7 +178,7 @@ def side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: C
         runner.verify_seeds = None
         if runner.config.compile_cache is not None:  # a batch stopped before its trial closed it
             runner.worker.close()
-            runner.config.compile_cache = None
+            runner.config.compile_cache = runner.config.compile_cache_at = None
         if not keep_answers:
             pool.reference.kept.clear()
     return trials
@@ -191,10 +191,10 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
     is closed after its trial, so its device memory goes before the next one times, and so is
     one that compiled into a cache folder (never reused for anything else)."""
     for r, (name, _) in zip(runners, batch):
-        folder = caches.folder(name) if caches is not None else None
+        folder, at = (caches.folder(name) if caches is not None else None) or (None, None)
         if folder is not None or r.config.compile_cache is not None:
             r.worker.kill()  # a worker is started for its cache, and never reused
-            r.config.compile_cache = folder
+            r.config.compile_cache, r.config.compile_cache_at = folder, at
         if caches is not None and name in caches.said:
             on_step(caches.said.pop(name))
     t0 = time.monotonic()
@@ -225,7 +225,7 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
                 + (f"\n    {per}" if per else ""))
         if r is not keep or r.config.compile_cache is not None:
             r.worker.close()
-            r.config.compile_cache = None
+            r.config.compile_cache = r.config.compile_cache_at = None
 
 
 def phases(trial: Trial) -> str:

@@ -15,7 +15,7 @@
 set -u
 res=${1:?results folder}
 if [ "${2:-}" = collect ]; then
-    cd "$res" && find . -path ./repo -prune -o -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' \
+    cd "$res" && find . \( -path ./repo -o -name compile_cache \) -prune -o -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' \
         -o -name '*.md' -o -name '*.txt' -o -name '*.sqlite' -o -name '*.sqlite-wal' \) -size -4M -print | tar czf "${3:?archive}" -T -
     exit
 fi

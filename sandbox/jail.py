@@ -225,10 +225,12 @@ def _under(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
-def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], writable: bool = False) -> None:
-    """Mount `path` back inside a hidden folder (read-only unless `writable`), with
-    world-traversable parents."""
-    chain, parent = [], os.path.dirname(path)
+def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], writable: bool = False,
+               at: str | None = None) -> None:
+    """Mount `path` back inside a hidden folder (read-only unless `writable`) at its own path
+    or `at`, with world-traversable parents."""
+    at = at or path
+    chain, parent = [], os.path.dirname(at)
     while parent not in ("/", "") and parent not in hidden:
         chain.append(parent)
         parent = os.path.dirname(parent)
@@ -236,14 +238,15 @@ def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], wr
         if d not in made:
             argv += ["--perms", "0755", "--dir", d]
             made.add(d)
-    argv += ["--bind" if writable else "--ro-bind", path, path]
+    argv += ["--bind" if writable else "--ro-bind", path, at]
 
 
 def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: list[str], gpu: bool,
-              keep: list[str] = (), writable: list[str] = ()) -> list[str]:
+              keep: list[str] = (), writable: list[str | tuple[str, str]] = ()) -> list[str]:
     """The bwrap command line that runs `cmd` in the jail described in the module docstring.
     `keep`: folders (the model's) visible even inside a strongly hidden one. `writable`: folders
-    mounted read-write at their own path, even inside a hidden one (a compile cache)."""
+    mounted read-write at their own path, or (folder, path inside) at another, even inside a
+    hidden one (a compile cache)."""
     visible = sorted({os.path.realpath(v) for v in visible if os.path.exists(v)})
     weak = [w for w in weak if w not in visible] + ([] if "/tmp" in weak else ["/tmp"])  # the workdir's tmpfs
     argv = [bwrap_path() or "bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
@@ -259,8 +262,9 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
         inside = [h for h in strong if _under(k, h) and h != k]
         if inside:  # the strong tmpfs above replaced any parents made before: make them again
             _bind_back(argv, k, inside, set())
-    for w in sorted({os.path.realpath(w) for w in writable if os.path.isdir(w)}):
-        _bind_back(argv, w, [h for h in weak + strong if _under(w, h) and h != w], set(), writable=True)
+    pairs = [(w, w) if isinstance(w, str) else w for w in writable]
+    for w, at in sorted({(os.path.realpath(w), os.path.abspath(at)) for w, at in pairs if os.path.isdir(w)}):
+        _bind_back(argv, w, [h for h in weak + strong if _under(at, h) and h != at], set(), writable=True, at=at)
     argv += ["--perms", "1777", "--dir", WORKDIR]  # writable by the unprivileged user the worker becomes
     if gpu:
         for dev in sorted(glob.glob("/dev/nvidia*") + glob.glob("/dev/dri") + glob.glob("/dev/kfd")):
@@ -276,7 +280,7 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
 
 
 def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool,
-         writable: list[str] = ()) -> tuple[list[str], Isolation, str]:
+         writable: list[str | tuple[str, str]] = ()) -> tuple[list[str], Isolation, str]:
     """(argv, isolation, cwd inside) for a worker command: jailed with bubblewrap when it works.
     `hide`: run folders (and any other folder) the worker must never see; `writable`: folders
     it may write (jail_argv)."""

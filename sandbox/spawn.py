@@ -76,6 +76,10 @@ class WorkerConfig:
     """A host folder, bound writable into the jail, that holds Inductor's and Triton's caches
     instead of the worker's own empty ones (agent/ways.py: a compile baseline fills its mode's,
     a way with our kernels starts from a copy of it). None: the worker's own, gone with it."""
+    compile_cache_at: str | None = None
+    """Where the jailed worker sees `compile_cache` (None: at its own path). A copy of a baseline's
+    cache is seen at the baseline's path: Triton's and Inductor's files name each other by
+    absolute path, which must lead into the copy, never to the baseline's folder (hidden there)."""
 
 
 @dataclass
@@ -99,7 +103,8 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
            "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)] + [a for m in cfg.model_files for a in ("--preload", m)]
     argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
                                   model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda",
-                                  writable=[cfg.compile_cache] if cfg.compile_cache else [])
+                                  writable=[(cfg.compile_cache, cfg.compile_cache_at or cfg.compile_cache)]
+                                  if cfg.compile_cache else [])
     if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":
         shutil.rmtree(tmpdir, ignore_errors=True)
         return Reply(False, status="crash", error=f"NIGHTSHIFT_REQUIRE_JAIL=1 and no jail: {iso.note}")
@@ -110,7 +115,7 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
         env["TRITON_INTERPRET"] = "1"
     env.pop("TRITON_CACHE_DIR", None)  # a cache shared between workers could be poisoned
     if cfg.compile_cache:  # Triton's goes inside Inductor's (cache_dir()/triton) when unset
-        env["TORCHINDUCTOR_CACHE_DIR"] = cfg.compile_cache
+        env["TORCHINDUCTOR_CACHE_DIR"] = (cfg.compile_cache_at or cfg.compile_cache) if inside else cfg.compile_cache
     if cfg.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(cfg.compile_threads)
     marker = secrets.token_hex(8)
@@ -138,7 +143,8 @@ _SPARES_LOCK = threading.Lock()
 
 def _key(cfg: WorkerConfig) -> tuple:
     return (cfg.device, cfg.role, cfg.memory_gb, cfg.gpu_memory_fraction, cfg.interpret,
-            tuple(sorted(cfg.hide)), tuple(sorted(cfg.model_files)), cfg.compile_threads, cfg.compile_cache)
+            tuple(sorted(cfg.hide)), tuple(sorted(cfg.model_files)), cfg.compile_threads, cfg.compile_cache,
+            cfg.compile_cache_at)
 
 
 def prestart(configs: list[WorkerConfig]) -> int:

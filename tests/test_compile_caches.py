@@ -58,8 +58,10 @@ def test_a_composed_way_starts_from_a_copy_of_its_modes_baseline_and_never_write
         baseline = caches.root / "torch.compile"
         assert (baseline / "baseline").read_text() == "baseline"
         assert not (baseline / "tuned").exists()  # a way with no cache of its own compiled elsewhere
-        # The composed way sees the baseline's mark in its copy; what it writes lands in the copy only.
-        later = side_by_side(pool, [("nightshift + torch.compile", _marks(expect=["baseline"], write="composed")),
+        # The composed way sees the baseline's mark in its copy, also by the baseline's absolute
+        # path (Triton's group files name their kernel's files so); what it writes lands in the copy only.
+        later = side_by_side(pool, [("nightshift + torch.compile", _marks(expect=["baseline", str(baseline / "baseline")],
+                                                                          write="composed")),
                                     ("nightshift + reduce-overhead", _marks(forbid=[str(baseline)], write="other"))],
                              steps.append, caches=caches)
         assert {n: t.status.value for n, t in later.items()} == {"nightshift + torch.compile": "ok",
@@ -83,15 +85,16 @@ def test_a_composed_way_starts_from_a_copy_of_its_modes_baseline_and_never_write
 def test_what_a_baseline_way_is_given_and_what_else_gets_nothing(tmp_path):
     from agent.compile_caches import CompileCaches
     caches = CompileCaches(tmp_path)
-    own = Path(caches.folder("max-autotune-no-cudagraphs"))
-    assert own == tmp_path / "compile_cache" / "max-autotune-no-cudagraphs"
+    own, seen_at = map(Path, caches.folder("max-autotune-no-cudagraphs"))
+    assert own == seen_at == tmp_path / "compile_cache" / "max-autotune-no-cudagraphs"
     assert own.stat().st_mode & 0o777 == 0o777 and caches.root.stat().st_mode & 0o777 == 0o700
     (own / "sub").mkdir()
     (own / "sub" / "kernel.so").write_bytes(b"x")
-    copy = Path(caches.folder("nightshift + max-autotune-no-cudagraphs"))
+    copy, seen_at = map(Path, caches.folder("nightshift + max-autotune-no-cudagraphs"))
     assert (copy / "sub" / "kernel.so").read_bytes() == b"x" and not copy.is_relative_to(tmp_path)
+    assert seen_at == own  # the jail shows the copy where the baseline's files say they are
     assert (copy / "sub").stat().st_mode & 0o777 == 0o777  # a worker run as nobody writes there too
-    assert Path(caches.folder("nightshift + reduce-overhead")).is_dir()  # no baseline yet: an empty one
+    assert Path(caches.folder("nightshift + reduce-overhead")[0]).is_dir()  # no baseline yet: an empty one
     assert caches.folder("tuned") is None and caches.folder("graphed") is None
     caches.drop_copies()
     assert not copy.exists() and own.is_dir()  # the baseline's stays: integrating again compiles from it
