@@ -167,13 +167,13 @@ def test_every_gpu_busy_with_gpu_frozen_problems_stops_with_a_clear_error(monkey
 
 
 def _other_tuner_holding(acquire: str):
-    """Another process that has run `acquire` (an expression on DeviceLock) and holds what it
-    took until killed: another tuner on the same host."""
+    """Another process that has run `acquire` (statements on DeviceLock that leave what they
+    took in `held`, so it is never collected) and holds it until killed: another tuner."""
     import subprocess
     import sys
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-         f"from sandbox.device_lock import DeviceLock; held = {acquire}; print('held', flush=True); time.sleep(60)",
+         f"from sandbox.device_lock import DeviceLock; {acquire}; print('held', flush=True); time.sleep(60)",
          str(Path(__file__).resolve().parent.parent)],
         stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -189,7 +189,7 @@ def test_two_tuners_sharing_a_gpu_never_time_at_once(tmp_path, monkeypatch):
     from sandbox.device_lock import DeviceLock, physical_device
     monkeypatch.setenv("NIGHTSHIFT_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    holder = _other_tuner_holding("DeviceLock('cuda:0').__enter__()")
+    holder = _other_tuner_holding("held = DeviceLock('cuda:0'); held.__enter__()")
     try:
         got = threading.Event()
 
@@ -269,7 +269,7 @@ def test_verifications_share_the_device_and_a_timing_has_it_alone(tmp_path, monk
     from sandbox.device_lock import verifying
     assert verifying(lock, whole_model=True) is lock and verifying(lock) is not lock
     # Another tuner verifying: this one verifies beside it, and times only once it is gone.
-    other = _other_tuner_holding("DeviceLock('cuda:0').verifying().__enter__()")
+    other = _other_tuner_holding("held = DeviceLock('cuda:0').verifying(); held.__enter__()")
     try:
         with lock.verifying():
             pass
