@@ -79,7 +79,8 @@ def step(line: str) -> None:
 def tune(model: Path) -> tuple[dict, dict | None]:
     """`agent tune` of one model file: (its row so far, its summary or None)."""
     t0 = time.time()
-    row = {"problem": model.stem}
+    # Its cap goes with the row: rows from several leases (and settings) make one table.
+    row = {"problem": model.stem, "cap_gpu_hours": float(opts["--gpu-hours"]), "cap_candidates": int(opts["--candidates"])}
     # Tunes run side by side in waves: they share the GPU explicitly (each sees the others'
     # memory), with fewer workers each; the device lock keeps their timings apart.
     shared = ["--devices", "cuda:0", "--workers-per-gpu", "2"] if parallel > 1 and _cuda() else []
@@ -168,15 +169,16 @@ newest = {r["problem"]: r for r in [*kept_rows, *rows]}
 rows = list(newest.values())
 
 table = Table(title="problem set, end to end (weighted over workloads), one device, side by side in one run each")
-for col in ("problem", "regions kept", "trials", "best region", "eager ms", "tuned ms", "tuned", "band",
+for col in ("problem", "cap h", "regions kept", "trials", "best region", "eager ms", "tuned ms", "tuned", "band",
             "best compile mode", "compile ms", "compile", "ours vs compile", "fast_1", "s"):
     table.add_column(col)
 for r in rows:
+    cap = f"{r['cap_gpu_hours']:g}" if "cap_gpu_hours" in r else "?"
     if "error" in r:
-        table.add_row(r["problem"], r["error"][:60], *[""] * 12)
+        table.add_row(r["problem"], cap, r["error"][:60], *[""] * 12)
         continue
     best = max((r.get("best") or {}).values(), default=0.0)
-    table.add_row(r["problem"], ",".join(r["regions"]) or "-", str(r["trials"]), f"{best:.2f}x",
+    table.add_row(r["problem"], cap, ",".join(r["regions"]) or "-", str(r["trials"]), f"{best:.2f}x",
                   f"{r['eager_ms']:.4f}", f"{r['tuned_ms']:.4f}",
                   r["verdict"] if r["verdict"] == "no change" else f"{r['speedup']:.2f}x", f"±{r['band']:.1%}",
                   r.get("compile_mode") or "every mode failed",
