@@ -46,9 +46,9 @@ H100 with eight lanes that each verified alone, 2026-12-06). A whole model verif
 
 
 class SharedExclusive:
-    """A readers-writer lock within one process that prefers the writer: `exclusive()` waits for
-    the holders under way and, while it waits, lets no new `shared()` holder start; at most
-    `limit` share it at once (None: any number)."""
+    """A readers-writer lock within one process that prefers the writer: held alone, it waits for
+    the sharers under way and, while it waits, lets no new sharer start; at most `limit` share it
+    at once (None: any number)."""
 
     def __init__(self, limit: int | None = None):
         self.limit = limit

@@ -242,11 +242,10 @@ def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], wr
 
 
 def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: list[str], gpu: bool,
-              keep: list[str] = (), writable: list[str | tuple[str, str]] = ()) -> list[str]:
+              keep: list[str] = (), writable: list[tuple[str, str]] = ()) -> list[str]:
     """The bwrap command line that runs `cmd` in the jail described in the module docstring.
-    `keep`: folders (the model's) visible even inside a strongly hidden one. `writable`: folders
-    mounted read-write at their own path, or (folder, path inside) at another, even inside a
-    hidden one (a compile cache)."""
+    `keep`: folders (the model's) visible even inside a strongly hidden one. `writable`: (folder,
+    path inside) pairs, mounted read-write there even inside a hidden folder (a compile cache)."""
     visible = sorted({os.path.realpath(v) for v in visible if os.path.exists(v)})
     weak = [w for w in weak if w not in visible] + ([] if "/tmp" in weak else ["/tmp"])  # the workdir's tmpfs
     argv = [bwrap_path() or "bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
@@ -262,8 +261,7 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
         inside = [h for h in strong if _under(k, h) and h != k]
         if inside:  # the strong tmpfs above replaced any parents made before: make them again
             _bind_back(argv, k, inside, set())
-    pairs = [(w, w) if isinstance(w, str) else w for w in writable]
-    for w, at in sorted({(os.path.realpath(w), os.path.abspath(at)) for w, at in pairs if os.path.isdir(w)}):
+    for w, at in sorted({(os.path.realpath(w), os.path.abspath(at)) for w, at in writable if os.path.isdir(w)}):
         _bind_back(argv, w, [h for h in weak + strong if _under(at, h) and h != at], set(), writable=True, at=at)
     argv += ["--perms", "1777", "--dir", WORKDIR]  # writable by the unprivileged user the worker becomes
     if gpu:
@@ -280,7 +278,7 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
 
 
 def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool,
-         writable: list[str | tuple[str, str]] = ()) -> tuple[list[str], Isolation, str]:
+         writable: list[tuple[str, str]] = ()) -> tuple[list[str], Isolation, str]:
     """(argv, isolation, cwd inside) for a worker command: jailed with bubblewrap when it works.
     `hide`: run folders (and any other folder) the worker must never see; `writable`: folders
     it may write (jail_argv)."""
