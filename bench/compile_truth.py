@@ -163,8 +163,9 @@ def harness_from(res) -> dict:
         for name, sp in w.baseline_speedups.items():
             if name.startswith("nightshift"):
                 continue
-            # The way's own band where recorded (its worker's noise), else the tuned model's.
-            band = max(w.noise_band, (getattr(w, "baseline_bands", {}) or {}).get(name) or 0.0)
+            # The way's own band where recorded (its worker's noise), else the tuned model's: a
+            # noisy tuned model must not widen a compile mode's band until every row "agrees".
+            band = (getattr(w, "baseline_bands", {}) or {}).get(name) or w.noise_band
             out.setdefault(name, {})[w.name] = {"speedup": sp, "band": band, "ms": w.baselines.get(name),
                                                 "eager_ms": w.eager_ms}
     out["_fallbacks"] = res.baseline_fallbacks
