@@ -222,6 +222,7 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
                             f"({t.band_parts()})" for t in trial.timings)
         on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
                 + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases(trial)}"
+                + "".join(f"\n    {flag}" for flag in trial.flags)
                 + (f"\n    {per}" if per else ""))
         if r is not keep or r.config.compile_cache is not None:
             r.worker.close()

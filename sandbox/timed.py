@@ -66,6 +66,12 @@ CLEARLY_SLOWER = 0.5
 """A region's workload whose first two rounds each read this speedup or less is timed in those
 two (the fewest an A/A band is made of): more rounds would only narrow a band around a loss, and
 a night's search tries many such candidates. The whole model is always timed in full."""
+WIDE_BAND = 0.05
+"""A whole model's workload on a GPU timed with an A/A band wider than this is timed once more
+and the quieter of the two measurements kept (both sides are timed together in each, and the
+choice looks at the band only, so it favours neither): on an H100 on 2026-12-06 integration's
+bands read ±5-167% for minutes where the same ways read ±1-5% hours before, and a verdict inside
+±25% says nothing. One more try costs a second or two a workload; the trial says it was re-timed."""
 SPOT_CHANCE = 0.5
 """Each round of a workload but its last is spot-checked with this chance, drawn after the round
 ran; the last round always is: a candidate cannot tell whether an earlier round is checked, and
@@ -78,6 +84,7 @@ full-size trial's timing: 4.4-5.2 s of 5.3-7.3 s)."""
 
 def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dict) -> Trial:
     lim, flags = r.limits, []
+    r.retimed = []  # measure() adds each workload it timed twice for a wide band
     try:
         timings = measure(r, lp, lim.budget_ms)
         speedup = weighted_speedup(lp.problem, timings)
@@ -93,6 +100,9 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
             return r._suspicious(c, lp, e.reason, **numbers)
         return Trial(**r._base(c, lp), status=Status(e.kind), reason=e.reason, **numbers)
     band = weighted_band(lp.problem, timings)
+    if r.retimed:
+        flags.append(f"timed again where its band was wider than ±{WIDE_BAND:.0%}, the quieter kept: "
+                     + ", ".join(r.retimed))
     if short := [t.workload for t in timings if len(t.baseline_runs) < max(2, r.limits.rounds)]:
         flags.append(f"timed in two rounds on {', '.join(short)}: each read {CLEARLY_SLOWER:g}x of the original's "
                      "speed or less there")
@@ -120,7 +130,12 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
             t0 = time.monotonic()  # a wait for a sibling's verification or timing, or a judge, is lock_wait
             r.phases["lock_wait"] = r.phases.get("lock_wait", 0.0) + t0 - t_wait
             r.step(f"timing {w.name}")  # nothing of a sibling worker runs beside a timing
-            out.append(_workload(r, lp, i, w.name, budget_ms, checks))
+            got = _workload(r, lp, i, w.name, budget_ms, checks)
+            if lp.problem.is_whole_model and got.timing_kind == "cuda" and got.noise_band > WIDE_BAND:
+                again = _workload(r, lp, i, w.name, budget_ms, checks)  # its spot checks run too
+                r.retimed.append(f"{w.name} ±{got.noise_band:.1%} then ±{again.noise_band:.1%}")
+                got = min(got, again, key=lambda t: t.noise_band)
+            out.append(got)
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0
         # The spot checks' answers (the reference worker's, kept by seed) and comparisons: off the
         # device lock (another runner verifies meanwhile), never beside a whole model's timing
