@@ -244,3 +244,27 @@ def test_each_call_structure_the_model_shows_eagerly_gets_its_own_op(tmp_path):
     assert kernel.CALLS == [True, False] * 3, kernel.CALLS
     assert len(way._recorded(net.a)) == 2
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_the_routed_ways_run_the_original_where_the_winner_refuses_a_call(tmp_path):
+    """transformers' LlamaModel passes an attention mask only while a CUDA graph captures it (H100,
+    2026-12-06): the winner, verified with None, refused, and the graphed way failed where `agent
+    apply`'s routing runs the original. Integration's routed model does the same now."""
+    from agent.ways import routed_candidate
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = Masked()
+
+        def forward(self, x, masked=False):
+            return self.a(x, mask=torch.ones_like(x, dtype=torch.bool) if masked else None) + 1
+
+    way = _load(tmp_path / "routed.py", routed_candidate(
+        [(Problem.model_construct(name="Masked", region_class="Masked"), GUARDED)]).source)
+    net, x = Net().eval(), torch.randn(8)
+    kernel = way._WINNERS["Masked"]
+    with torch.no_grad():
+        torch.testing.assert_close(way.forward(net, x), x * net.a.w + 1)
+        torch.testing.assert_close(way.forward(net, x, masked=True), x * net.a.w + 1)  # the original's
+    assert kernel.CALLS == [True, False]  # the winner ran first, refused the masked call second
