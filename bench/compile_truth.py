@@ -117,6 +117,8 @@ with torch.no_grad():
             once(compiled, w)
     compile_s = time.monotonic() - t0
     out = {{}}
+    from sandbox.compiled import probe
+    ran = probe([lambda w=w: once(compiled, w) for w in loaded.workloads], {{}})["graphs_run"]  # which graph each runs
     with DeviceLock(device if cuda else "cpu"):
         for w in loaded.workloads:
             for _ in range(3):
@@ -128,6 +130,7 @@ with torch.no_grad():
                     e.append(once(model, w)); c.append(once(compiled, w))
                 rounds.append((statistics.median(e), statistics.median(c)))
             out[w.name] = summary(rounds)
+            out[w.name]["graphs_run"] = ran[loaded.workloads.index(w)]
             if cuda:  # and timed as the harness times: three rounds of each, queued, alternating
                 out[w.name]["queued"] = summary([(queued(model, w, reps), queued(compiled, w, reps))
                                                  for _ in range(3)])
@@ -166,8 +169,10 @@ def harness_from(res) -> dict:
             # The way's own band where recorded (its worker's noise), else the tuned model's: a
             # noisy tuned model must not widen a compile mode's band until every row "agrees".
             band = (getattr(w, "baseline_bands", {}) or {}).get(name) or w.noise_band
+            ran = ((getattr(res, "dynamo", {}) or {}).get(name) or {}).get("graphs_run") or []
+            i = [x.name for x in res.workloads].index(w.name)
             out.setdefault(name, {})[w.name] = {"speedup": sp, "band": band, "ms": w.baselines.get(name),
-                                                "eager_ms": w.eager_ms}
+                                                "eager_ms": w.eager_ms, "graphs_run": ran[i] if i < len(ran) else None}
     out["_fallbacks"] = res.baseline_fallbacks
     out["_dynamo"] = res.dynamo
     return out
@@ -218,7 +223,7 @@ def main() -> int:
     print(f"\ncompile truth: harness vs standalone torch.compile, speedup over eager ({args.device}, "
           f"{time.monotonic() - t0:.0f}s)")
     print(f"{'workload':14} {'mode':28} {'harness':>16} {'standalone':>16} {'agree':>6} {'queued':>16} "
-          f"{'agree':>6}  harness fallback")
+          f"{'agree':>6}  graphs run (harness | script)  harness fallback")
     for n in names:
         theirs.setdefault(n, {"error": "not measured"})
         if "error" in theirs[n]:
@@ -230,10 +235,18 @@ def main() -> int:
             agree, agree_q = _agree(h, s), _agree(h, q)
             rows.append({"workload": w, "mode": n, "harness": h, "standalone": s, "agree": agree,
                          "agree_queued": agree_q, "fallback": fb})
-            print(f"{w:14} {n:28} {_fmt(h):>16} {_fmt(s):>16} {_yes(agree):>6} {_fmt(q):>16} {_yes(agree_q):>6}  {fb}")
+            graphs = f"{_graphs(h)} | {_graphs(s)}"
+            print(f"{w:14} {n:28} {_fmt(h):>16} {_fmt(s):>16} {_yes(agree):>6} {_fmt(q):>16} {_yes(agree_q):>6}  "
+                  f"{graphs:29}  {fb}")
     (args.out / "compile_truth.json").write_text(json.dumps({"rows": rows, "dynamo": ours["_dynamo"],
                                                              "standalone": theirs}, indent=2, default=str))
     return 0 if rows and all(r["agree_queued"] if r["standalone"].get("queued") else r["agree"] for r in rows) else 1
+
+
+def _graphs(x: dict | None) -> str:
+    """The compiled graphs ("frame/compile") a workload's call ran, "?" where not recorded."""
+    ran = (x or {}).get("graphs_run")
+    return "?" if ran is None else ",".join(ran) or "none"
 
 
 def _agree(h: dict | None, s: dict | None) -> bool | None:

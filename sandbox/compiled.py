@@ -4,7 +4,8 @@ A compiled way of running can silently run eager: a frame dynamo skipped (one ca
 Python dispatch mode is skipped for good), a recompile limit reached, graph breaks between
 graphs. Its time then is eager time under the name "torch.compile". So every compiled way
 reports dynamo's own counters (graphs, graph breaks, recompiles, frames) and one profiled call
-per input set: how many compiled regions it entered and how many compute ops ran outside them.
+per input set: how many compiled regions it entered, which graphs, and how many compute ops ran
+outside them.
 `tools.trial.compile_fallback` turns that into the label the report shows. Diagnostic only: the verdict and
 the times never depend on what a candidate's process says here.
 """
@@ -37,21 +38,25 @@ def probe(calls: list[Callable[[], Any]], before: dict[str, int]) -> dict[str, A
     from torch.profiler import ProfilerActivity, profile
     now = counters()
     out: dict[str, Any] = {k: v - before.get(k, 0) for k, v in now.items()}
-    out["regions"], out["eager_ops"], out["eager_examples"] = [], [], []
+    out["regions"], out["eager_ops"], out["eager_examples"], out["graphs_run"] = [], [], [], []
     for call in calls:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             call()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        regions, eager = 0, []
+        regions, eager, ran = 0, [], set()
         for e in prof.events():
             if e.name.startswith(REGION):
                 regions += 1
+                ran.add(e.name[len(REGION):].lstrip(": "))
             elif e.name.startswith("aten::") and e.name not in NOT_COMPUTE and not _inside_region(e):
                 eager.append(e.name)
         out["regions"].append(regions)
         out["eager_ops"].append(len(eager))
         out["eager_examples"].append(sorted(set(eager))[:5])
+        # Which compiled graphs ran ("frame/compile"): a shape seen after others may run a dynamic
+        # graph compiled for another one (dynamo tries its newest graph first).
+        out["graphs_run"].append(sorted(ran))
     return out
 
 

@@ -201,3 +201,21 @@ def test_the_truth_table_gives_each_compile_mode_its_own_band_not_the_tuned_mode
     assert got["torch.compile"]["prefill"]["band"] == 0.23  # no band of its own recorded: the tuned model's
     script = {"speedup": 1.26, "band": 0.007}
     assert _agree(got["reduce-overhead"]["prefill"], script) is False
+
+
+def test_the_dynamo_probe_names_the_graph_each_call_ran():
+    """A shape seen after others may run a dynamic graph compiled for another one (the example's
+    prefill ran long prefill's on the CPU, 2026-12-06): the probe says which graph each call ran,
+    and an eager call none."""
+    import torch
+
+    from sandbox import compiled
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (x.sin() + 1).cos())
+    for n in (8, 16, 32):
+        f(torch.randn(n))
+    got = compiled.probe([lambda n=n: f(torch.randn(n)) for n in (8, 16, 32)] + [lambda: torch.randn(4).sin()], {})
+    ran = got["graphs_run"]
+    assert len(ran) == 4 and ran[3] == []
+    assert all(len(r) == 1 and r[0].count("/") == 1 for r in ran[:3]), ran
+    assert got["graphs"] >= len({r[0] for r in ran[:3]})
