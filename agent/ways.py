@@ -222,6 +222,8 @@ def _batch(runners: list[TrialRunner], batch: list[tuple[str, Candidate]], trial
                             f"({t.band_parts()})" for t in trial.timings)
         on_step(f"{name}: {trial.status.value}" + (f" {trial.speedup:.3f}x" if trial.speedup else "")
                 + (f" ({trial.reason[:100]})" if trial.status.value != "ok" else "") + f"; {phases(trial)}"
+                + (f"; Inductor's graph cache {d['fx_cache_hits']} hits, {d.get('fx_cache_misses', 0)} misses"
+                   if (d := trial.dynamo) and "fx_cache_hits" in d else "")
                 + "".join(f"\n    {flag}" for flag in trial.flags)
                 + (f"\n    {per}" if per else ""))
         if r is not keep or r.config.compile_cache is not None:

@@ -23,13 +23,18 @@ NOT_COMPUTE = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::
 
 
 def counters() -> dict[str, int]:
-    """dynamo's counters now, flattened: graphs compiled, graph breaks, recompiles, frames."""
+    """dynamo's counters now, flattened: graphs compiled, graph breaks, recompiles, frames, and
+Inductor's graph-cache hits and misses."""
     from torch._dynamo.utils import counters as c
     return {"graphs": int(c["stats"].get("unique_graphs", 0)),
             "graph_breaks": int(sum(c["graph_break"].values())),
             "recompiles": int(sum(c["recompiles"].values())),
             "frames": int(c["frames"].get("total", 0)),
-            "frames_ok": int(c["frames"].get("ok", 0))}
+            "frames_ok": int(c["frames"].get("ok", 0)),
+            # Inductor's graph cache: a way compiled from a copy of another's cache should hit it
+            # wherever its graphs are the other's (a composed way where the compiler's code runs).
+            "fx_cache_hits": int(c["inductor"].get("fxgraph_cache_hit", 0)),
+            "fx_cache_misses": int(c["inductor"].get("fxgraph_cache_miss", 0))}
 
 
 def probe(calls: list[Callable[[], Any]], before: dict[str, int]) -> dict[str, Any]:
