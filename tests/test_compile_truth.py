@@ -186,11 +186,11 @@ def test_a_compile_on_the_second_call_is_paid_in_load_not_under_the_device_lock(
     assert trial.phases["verify"] < 1.5, trial.phases  # verification and timing hold the device lock
 
 
-def test_the_truth_table_gives_each_compile_mode_its_own_band_not_the_tuned_models():
+def test_the_truth_table_gives_each_compile_mode_its_own_band_not_the_tuned_models(monkeypatch):
     """A tuned model timed noisily (±23% on the H100, 2026-12-06) once widened every compile
     mode's band to its own, so rows whose modes were timed to ±0.8% read "agree" with anything."""
     from types import SimpleNamespace
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from compile_truth import _agree, harness_from
     w = SimpleNamespace(name="prefill", noise_band=0.23, eager_ms=3.88,
                         baseline_speedups={"torch.compile": 1.39, "reduce-overhead": 1.38},
