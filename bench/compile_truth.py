@@ -162,7 +162,7 @@ def harness(run_path: Path, device: str, names: list[str]) -> dict:
 
 def harness_from(res) -> dict:
     out: dict = {}
-    for w in res.workloads:
+    for i, w in enumerate(res.workloads):
         for name, sp in w.baseline_speedups.items():
             if name.startswith("nightshift"):
                 continue
@@ -170,7 +170,6 @@ def harness_from(res) -> dict:
             # noisy tuned model must not widen a compile mode's band until every row "agrees".
             band = (getattr(w, "baseline_bands", {}) or {}).get(name) or w.noise_band
             ran = ((getattr(res, "dynamo", {}) or {}).get(name) or {}).get("graphs_run") or []
-            i = [x.name for x in res.workloads].index(w.name)
             out.setdefault(name, {})[w.name] = {"speedup": sp, "band": band, "ms": w.baselines.get(name),
                                                 "eager_ms": w.eager_ms, "graphs_run": ran[i] if i < len(ran) else None}
     out["_fallbacks"] = res.baseline_fallbacks

@@ -24,7 +24,7 @@ NOT_COMPUTE = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::
 
 def counters() -> dict[str, int]:
     """dynamo's counters now, flattened: graphs compiled, graph breaks, recompiles, frames, and
-Inductor's graph-cache hits and misses."""
+    Inductor's graph-cache hits and misses."""
     from torch._dynamo.utils import counters as c
     return {"graphs": int(c["stats"].get("unique_graphs", 0)),
             "graph_breaks": int(sum(c["graph_break"].values())),

@@ -83,14 +83,13 @@ full-size trial's timing: 4.4-5.2 s of 5.3-7.3 s)."""
 
 
 def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dict) -> Trial:
-    lim, flags = r.limits, []
-    r.retimed = []  # measure() adds each workload it timed twice for a wide band
+    lim, flags, retimed = r.limits, [], []
     try:
-        timings = measure(r, lp, lim.budget_ms)
+        timings = measure(r, lp, lim.budget_ms, retimed)
         speedup = weighted_speedup(lp.problem, timings)
         floor_hit = _below_floor(lp, timings)
         if speedup > lim.retime_above or floor_hit:
-            timings = measure(r, lp, 2 * lim.budget_ms)
+            timings = measure(r, lp, 2 * lim.budget_ms, retimed)
             speedup, floor_hit = weighted_speedup(lp.problem, timings), _below_floor(lp, timings)
             flags.append(f"speedup above {lim.retime_above:g}x: re-timed, {speedup:.2f}x")
     except Refused as e:
@@ -100,9 +99,9 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
             return r._suspicious(c, lp, e.reason, **numbers)
         return Trial(**r._base(c, lp), status=Status(e.kind), reason=e.reason, **numbers)
     band = weighted_band(lp.problem, timings)
-    if r.retimed:
+    if retimed:
         flags.append(f"timed again where its band was wider than ±{WIDE_BAND:.0%}, the quieter kept: "
-                     + ", ".join(r.retimed))
+                     + ", ".join(retimed))
     if short := [t.workload for t in timings if len(t.baseline_runs) < max(2, r.limits.rounds)]:
         flags.append(f"timed in two rounds on {', '.join(short)}: each read {CLEARLY_SLOWER:g}x of the original's "
                      "speed or less there")
@@ -117,7 +116,8 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
                  noise_band=band, flags=flags, **numbers)
 
 
-def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[WorkloadTiming]:
+def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float, retimed: list[str]) -> list[WorkloadTiming]:
+    """Each workload timed; `retimed` gets a line for each one timed twice for a wide band."""
     out = []
     for i, w in enumerate(lp.problem.workloads):
         t_wait = time.monotonic()
@@ -133,7 +133,7 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float) -> list[Wor
             got = _workload(r, lp, i, w.name, budget_ms, checks)
             if lp.problem.is_whole_model and got.timing_kind == "cuda" and got.noise_band > WIDE_BAND:
                 again = _workload(r, lp, i, w.name, budget_ms, checks)  # its spot checks run too
-                r.retimed.append(f"{w.name} ±{got.noise_band:.1%} then ±{again.noise_band:.1%}")
+                retimed.append(f"{w.name} ±{got.noise_band:.1%} then ±{again.noise_band:.1%}")
                 got = min(got, again, key=lambda t: t.noise_band)
             out.append(got)
         r.phases["time"] = r.phases.get("time", 0.0) + time.monotonic() - t0

@@ -344,7 +344,7 @@ def test_a_timing_waits_for_judges_before_it_takes_the_device_lock(monkeypatch):
     j.start()
     judging.wait()
     timed_out: list = []
-    t = threading.Thread(target=lambda: timed_out.extend(timed.measure(runner, lp, 10.0)))
+    t = threading.Thread(target=lambda: timed_out.extend(timed.measure(runner, lp, 10.0, [])))
     t.start()
     for th in (j, t):
         th.join(timeout=10)

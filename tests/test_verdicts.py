@@ -435,9 +435,10 @@ def _measured(monkeypatch, whole_model: bool, kind: str, bands: list[float]):
     monkeypatch.setattr(timed, "_workload", workload)
     quiet = SimpleNamespace(timing=lambda whole: contextlib.nullcontext(), busy=contextlib.nullcontext)
     r = SimpleNamespace(step=lambda s: None, host_quiet=quiet, device_lock=contextlib.nullcontext(),
-                        quiet=contextlib.nullcontext, phases={}, retimed=[])
+                        quiet=contextlib.nullcontext, phases={})
     lp = SimpleNamespace(problem=SimpleNamespace(is_whole_model=whole_model, workloads=[SimpleNamespace(name="decode")]))
-    return timed.measure(r, lp, 100.0), r.retimed, calls
+    retimed: list[str] = []
+    return timed.measure(r, lp, 100.0, retimed), retimed, calls
 
 
 def test_a_whole_models_noisy_workload_on_a_gpu_is_timed_again_and_the_quieter_kept(monkeypatch):

@@ -62,9 +62,7 @@ def _counts(info: dict | None) -> str:
     if not info:
         return "no counters"
     return (f"{info.get('graphs', 0)} graphs, {info.get('graph_breaks', 0)} breaks, "
-            f"{info.get('recompiles', 0)} recompiles, compiled regions per call {info.get('regions')}"
-            + (f", graph cache {info['fx_cache_hits']} hits and {info.get('fx_cache_misses', 0)} misses"
-               if "fx_cache_hits" in info else ""))
+            f"{info.get('recompiles', 0)} recompiles, compiled regions per call {info.get('regions')}")
 
 
 def _verdict(w: WorkloadResult) -> str:
