@@ -5,7 +5,8 @@ for minutes: started beside the search, integration waits only for what is left 
 way is the same trial as in integration (a worker of its own, verified on one draw of fresh
 inputs, timed side by side with eager under the device lock). On a GPU its pool shares the
 search's lock and sibling list (sandbox/pool.py): while a search trial times, these workers'
-compiles are stopped, and while one of these times, the search's workers are.
+compiles are stopped, and while one of these times, the search's workers are. Their workers run at
+a lower CPU priority (BASELINE_NICE): they compile in what the search leaves of the host's cores.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from tools.runfolder import RunFolder
 from tools.trial import Status, Trial
 
 
+BASELINE_NICE = 10
+"""The compile baselines' workers' niceness (both sides of their timings alike). Inductor's compile
+processes of three modes compete with the search for the host's cores: the search's candidate
+loads (Triton's compiles) read 10.1 s a trial in the first half of the example's tune, while all
+three modes compiled, and 2.8 s in the second, while max-autotune alone was left (H100,
+2026-12-06, 0.1 GPU-hours). At 10 a search process gets about nine tenths of a core it shares
+with one of these; an idle core still goes to them."""
+
+
 class EarlyBaselines:
     def __init__(self, run: RunFolder, device: str | None, modes: list[str] | None = None,
                  on_step: Callable[[str], None] = lambda line: None, memory_gb: float = 8.0):
@@ -29,7 +39,8 @@ class EarlyBaselines:
         model, folder, _, self.device = whole_model(run, device)
         self.ways = baseline_ways(modes, model.seeded_calls)
         self.on_step = on_step
-        self.pool = DevicePool(self.device, [folder], limits=LIMITS, memory_gb=memory_gb, cpu_lock=True)
+        self.pool = DevicePool(self.device, [folder], limits=LIMITS, memory_gb=memory_gb, cpu_lock=True,
+                               nice=BASELINE_NICE)
         self.caches = CompileCaches(run.path)  # what each mode compiled, for integration's ways in that mode
         self.trials: dict[str, Trial] = {}
         self.thread = threading.Thread(target=self._run, name="early-baselines", daemon=True)

@@ -39,7 +39,9 @@ the runner records per trial (`Trial.phases`):
       time.spot     the spot check: fetching a repetition's kept output and the original's answer
       time.integrity  asking the candidate's worker whether torch or the harness was patched
       time.control  the A/A run: the original in the candidate's worker
-    spot_judge      the spot checks' comparisons (the tuner's CPU, after the device lock is let go)
+    spot_judge      the spot checks' comparisons (the tuner's CPU, after the device lock is let go); of which:
+      spot_wait     waiting for a whole model's timing to end before judging (HostQuiet)
+      spot_answer   the original's answer from the reference worker (shared by every lane)
     other           what no phase names (the torch.compile probe, integrity checks, replies)
 
 Two rates: one trial after another (device s / trial), and with sibling workers loading and
@@ -63,7 +65,8 @@ OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(mo
 PHASES = ["start", "start.worker", "start.worker.imports", "start.worker.setup", "start.worker.device",
           "start.worker.triton", "start.register", "start.register.files", "start.register.import", "start.register.build", "load",
           "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.warmup", "time.runs", "time.draw",
-          "time.copy", "time.spot", "time.integrity", "time.control", "spot_judge"]
+          "time.copy", "time.spot", "time.integrity", "time.control", "spot_judge",
+          "spot_wait", "spot_answer"]
 
 
 def freeze(model: Path, device: str, regions: list[str] | None, runs_dir: Path) -> Path:

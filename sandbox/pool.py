@@ -82,13 +82,14 @@ region compiles in seconds alone, and a compile pool ended its worker with the t
 class DevicePool:
     def __init__(self, device: str, problem_dirs: Iterable[Path] = (), *, workers: int = 1,
                  limits: Limits | None = None, memory_gb: float = 8.0, label: str | None = None,
-                 cpu_lock: bool = False, compile_threads: int | None = None):
+                 cpu_lock: bool = False, compile_threads: int | None = None, nice: int = 0):
         """`device`: `cpu` or `cuda:N`. `label` names the device in trials (default: `device`).
         `cpu_lock`: on the CPU too, a timing holds the device alone and the others stop
         meanwhile (integration's ways of running the model); CPU lanes of the search do not wait
-        for each other. `compile_threads`: the candidate workers' (WorkerConfig)."""
+        for each other. `compile_threads`: the candidate workers' (WorkerConfig). `nice`: every
+        worker's, the reference worker's too (both sides of a timing at one priority)."""
         self.device, self.label = device, label or device
-        self.compile_threads = compile_threads
+        self.compile_threads, self.nice = compile_threads, nice
         self.limits, self.memory_gb = limits or Limits(), memory_gb
         self.problem_dirs = [Path(d) for d in problem_dirs]
         self.siblings: list[TrialRunner] = []
@@ -99,7 +100,7 @@ class DevicePool:
         between them (each runner has its own, which only orders its own judge and timing)."""
         if device != "cpu" or cpu_lock:
             self.lock, self.siblings, self.host_quiet = _shared(device)
-        self.reference = ReferenceWorker(WorkerConfig(device=device, memory_gb=memory_gb))
+        self.reference = ReferenceWorker(WorkerConfig(device=device, memory_gb=memory_gb, nice=nice))
         self.runners: list[TrialRunner] = []
         """Every runner of the pool."""
         for _ in range(workers):
@@ -113,7 +114,8 @@ class DevicePool:
         self.charge_lock = threading.Lock()
 
     def _runner(self) -> TrialRunner:
-        cfg = WorkerConfig(device=self.device, memory_gb=self.memory_gb, compile_threads=self.compile_threads)
+        cfg = WorkerConfig(device=self.device, memory_gb=self.memory_gb, compile_threads=self.compile_threads,
+                           nice=self.nice)
         r = TrialRunner(self.device, self.limits, cfg,
                         device_lock=self.lock, reference=self.reference, host_quiet=self.host_quiet)
         for d in self.problem_dirs:

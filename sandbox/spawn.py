@@ -76,6 +76,10 @@ class WorkerConfig:
     """A host folder, bound writable into the jail, that holds Inductor's and Triton's caches
     instead of the worker's own empty ones (agent/ways.py: a compile baseline fills its mode's,
     a way with our kernels starts from a copy of it). None: the worker's own, gone with it."""
+    nice: int = 0
+    """How much lower the worker's CPU priority is than the tuner's (started under `nice -n`: the
+    jail and every process the worker starts inherit it): the compile baselines beside the
+    search (agent/early_baselines.py)."""
     compile_cache_at: str | None = None
     """Where the jailed worker sees `compile_cache` (None: at its own path). A copy of a baseline's
     cache is seen at the baseline's path: Triton's and Inductor's files name each other by
@@ -118,6 +122,8 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
         env["TORCHINDUCTOR_CACHE_DIR"] = (cfg.compile_cache_at or cfg.compile_cache) if inside else cfg.compile_cache
     if cfg.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(cfg.compile_threads)
+    if cfg.nice > 0 and (nice := shutil.which("nice")):  # the jail's process too, and all they start
+        argv = [nice, "-n", str(cfg.nice), *argv]
     marker = secrets.token_hex(8)
     env["NIGHTSHIFT_WORKER"] = marker
     parent_sock, child_sock = socket.socketpair()
@@ -144,7 +150,7 @@ _SPARES_LOCK = threading.Lock()
 def _key(cfg: WorkerConfig) -> tuple:
     return (cfg.device, cfg.role, cfg.memory_gb, cfg.gpu_memory_fraction, cfg.interpret,
             tuple(sorted(cfg.hide)), tuple(sorted(cfg.model_files)), cfg.compile_threads, cfg.compile_cache,
-            cfg.compile_cache_at)
+            cfg.compile_cache_at, cfg.nice)
 
 
 def prestart(configs: list[WorkerConfig]) -> int:

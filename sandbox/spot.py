@@ -6,6 +6,7 @@ checksum its run reported. What the check fetches, under the device lock; what i
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from tools import timing, verify
@@ -52,7 +53,13 @@ def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int,
     if bad:
         raise Refused("shape", f"timed repetition {j} on {p.workloads[i].name}: {bad}")
     claimed = (sums if sums is not None else getattr(r, "last_checksums", None) or [None] * (j + 1))[j]
-    return lambda: compare(lp, i, j, s, got, _answer(r, lp, i, s, j), claimed)
+
+    def run() -> None:
+        t0 = time.monotonic()  # the reference worker is shared by every lane: its wait shows apart
+        want = _answer(r, lp, i, s, j)
+        r.phases["spot_answer"] = r.phases.get("spot_answer", 0.0) + time.monotonic() - t0
+        compare(lp, i, j, s, got, want, claimed)
+    return run
 
 
 def _answer(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> list:

@@ -143,6 +143,7 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float, retimed: li
         if checks:
             t_check = time.monotonic()
             with r.host_quiet.busy():
+                r.phases["spot_wait"] = r.phases.get("spot_wait", 0.0) + time.monotonic() - t_check
                 for check in checks:
                     check()
             r.phases["spot_judge"] = r.phases.get("spot_judge", 0.0) + time.monotonic() - t_check

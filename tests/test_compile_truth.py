@@ -124,7 +124,10 @@ def test_a_compiled_candidate_and_the_compile_baseline_time_like_standalone_comp
 def test_baselines_that_could_not_run_beside_the_search_are_run_by_integration(run):
     from agent.early_baselines import EarlyBaselines
     from agent.integrate import integrate
+    from agent.early_baselines import BASELINE_NICE
     early = EarlyBaselines(run, "cpu", modes=["torch.compile"])
+    # beside a search they compile at a lower priority, both sides of their timings alike
+    assert early.pool.nice == early.pool.reference.config.nice == BASELINE_NICE > 0
     early.close()  # never started (a search interrupted at once): nothing to pick up
     steps = []
     result = integrate(run.path, "cpu", baselines=True, modes=["torch.compile"], cuda_graphs=False,
