@@ -95,7 +95,7 @@ def send(sock: socket.socket, header: dict[str, Any], tensors: Any = None, fds: 
         raise ChannelClosed(str(e)) from None
 
 
-def _tensors(node: Any, blob: bytearray, at: list[int]) -> Any:
+def _tensors(node: Any, blob: torch.Tensor, at: list[int]) -> Any:
     """The structure `node` describes, its tensors viewed in `blob` (`at`: the next offset)."""
     if not isinstance(node, list) or len(node) not in (2, 3) or not isinstance(node[0], str):
         raise ValueError("malformed layout")
@@ -109,10 +109,10 @@ def _tensors(node: Any, blob: bytearray, at: list[int]) -> Any:
         if not n:
             return torch.empty(shape, dtype=dtype)
         start = at[0] + (-at[0] % ALIGN)
-        if start + n > len(blob):
+        if start + n > blob.numel():
             raise ValueError("tensor bytes past the end of the frame")
         at[0] = start + n
-        return torch.frombuffer(blob, dtype=torch.uint8, count=n, offset=start).view(dtype).view(shape)
+        return blob[start:start + n].view(dtype).view(shape)
     if kind == "V" and (node[1] is None or isinstance(node[1], (bool, int, float, str))):
         return node[1]
     if kind in ("L", "U") and isinstance(node[1], list):
@@ -123,9 +123,16 @@ def _tensors(node: Any, blob: bytearray, at: list[int]) -> Any:
     raise ValueError(f"malformed layout node {kind!r}")
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray:
-    got, buf = 0, bytearray(n)
-    view = memoryview(buf)
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None, raw: bool = False) -> Any:
+    """`n` bytes: a bytearray, or with `raw` an uninitialised uint8 tensor (a frame's tensor
+    bytes: bytearray(n) zeroes its memory while holding the GIL, a tenth of a second for the
+    tuner's largest frames, and every judging thread waits for it at each op it runs)."""
+    got = 0
+    try:
+        buf = torch.empty(n, dtype=torch.uint8) if raw else bytearray(n)
+    except (MemoryError, RuntimeError) as e:  # the worker that sent it is not trusted further
+        raise ChannelClosed(f"a frame of {n} bytes could not be held: {e}") from None
+    view = memoryview(buf.numpy() if raw else buf).cast("B")
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -155,7 +162,7 @@ def recv(sock: socket.socket, timeout: float | None = None, accept_fds: bool = F
     if not isinstance(header, dict):
         raise ChannelClosed("malformed frame: header is not an object")
     tensors = None
-    blob = _recv_exact(sock, n_blob, deadline) if n_blob else bytearray()
+    blob = _recv_exact(sock, n_blob, deadline, raw=True) if n_blob else torch.empty(0, dtype=torch.uint8)
     if "_layout" in header:
         try:
             tensors = _tensors(header.pop("_layout"), blob, [0])

@@ -327,6 +327,28 @@ def test_events_that_claim_less_than_the_clock_saw_are_never_what_is_ranked(monk
     assert samples == [0.5] * 100 and "host_bound" not in phases
 
 
+def test_a_frames_tensor_bytes_land_in_memory_nobody_zeroes_under_the_gil(monkeypatch):
+    """bytearray(n) zeroes its n bytes holding the GIL (0.1 s for 134 MB on this VM): every other
+    thread of the tuner (each lane's judge, a torch op at a time) waited at each op it ran while
+    one lane received a long prefill's outputs. The tensor bytes go to an uninitialised torch
+    buffer; only the small JSON header is a bytearray."""
+    sizes = []
+
+    def spy(n=0, *args):
+        sizes.append(n if isinstance(n, int) else len(n))
+        return bytearray(n, *args)
+    monkeypatch.setattr(protocol, "bytearray", spy, raising=False)
+    a, b = socket.socketpair()
+    sent = [torch.arange(1 << 20, dtype=torch.int32), torch.randn(3, 7, dtype=torch.bfloat16)]
+    got = []
+    reader = threading.Thread(target=lambda: got.append(protocol.recv(b, timeout=10)))
+    reader.start()
+    protocol.send(a, {"ok": True}, sent)
+    reader.join()
+    assert all(torch.equal(x, y) for x, y in zip(sent, got[0][1]))
+    assert sizes and max(sizes) < 4096, sizes  # the header's bytes only, never the payload's
+
+
 def test_tensors_cross_the_wire_as_raw_bytes_a_forged_layout_is_a_broken_channel():
     """Replies carry tensors as a JSON layout and raw bytes, viewed where they landed (a KV cache
     among the outputs was copied five times by torch.save and torch.load). Nothing is unpickled,
