@@ -164,6 +164,16 @@ def test_only_candidates_that_compile_are_probed_in_a_worker_where_dynamo_is_loa
     assert any("torch.compile fell back to eager" in f for f in third.flags), third.flags
 
 
+def test_a_call_that_ran_no_op_at_all_is_not_called_a_fallback():
+    """A CUDA graph's replay runs no Python: the probe sees no compiled region and no op run eager
+    (integration's graphed way, whose routed regions use torch.compile, read "torch.compile fell
+    back to eager" on the H100 on 2026-12-06). What ran eager is still named."""
+    from tools.trial import compile_fallback
+    assert compile_fallback({"regions": [0, 0], "eager_ops": [0, 0]}) == ""
+    assert compile_fallback({"regions": [0, 0], "eager_ops": [0, 31]}).startswith("fell back to eager")
+    assert compile_fallback({"regions": [1, 0], "eager_ops": [0, 31]}) == "fell back to eager on input set 1"
+
+
 LATER_COMPILE = '''import time
 import torch
 _calls = {}

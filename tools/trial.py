@@ -170,6 +170,8 @@ def compile_fallback(info: dict[str, Any] | None) -> str:
     if not info:
         return ""
     regions, eager = info.get("regions") or [], info.get("eager_ops") or []
+    if regions and not any(regions) and eager and not any(eager):
+        return ""  # no compiled region and no op run eager either: a CUDA graph's replay (integration's graphed way)
     if regions and not any(regions):
         return "fell back to eager: no compiled code ran"
     if any(r == 0 for r in regions):
