@@ -23,12 +23,13 @@ from tools.trial import Status, Trial
 
 
 BASELINE_NICE = 10
-"""The compile baselines' workers' niceness (both sides of their timings alike). Inductor's compile
-processes of three modes compete with the search for the host's cores: the search's candidate
-loads (Triton's compiles) read 10.1 s a trial in the first half of the example's tune, while all
-three modes compiled, and 2.8 s in the second, while max-autotune alone was left (H100,
-2026-12-06, 0.1 GPU-hours). At 10 a search process gets about nine tenths of a core it shares
-with one of these; an idle core still goes to them."""
+"""The compile baselines' workers' niceness (both sides of their timings alike): Inductor's compile
+processes of three modes run beside the search, which should keep first call on the host's cores.
+The search's loads read 10.1 s a trial in the first half of the example's tune, while all three
+modes compiled, and 2.8 s in the second (H100, 2026-12-06 16:34); niced, 6.5 and 2.1 s (19:00,
+another H100). The host was 50-94% idle through the second run, so cores are not most of what a
+load waits for. At 10 a search process gets about nine tenths of a core it shares with one of
+these; an idle core still goes to them."""
 
 
 class EarlyBaselines:
