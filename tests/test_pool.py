@@ -238,9 +238,9 @@ def test_the_search_workers_compile_in_their_own_process_and_are_prestarted_so(p
 
 
 def test_the_compile_baselines_beside_the_search_run_at_a_lower_cpu_priority(problem_dir):
-    """Inductor's compiles of three modes beside the search took the host's cores from its loads
-    (10.1 s a trial against 2.8 s, H100). The early baselines' workers, both sides of their
-    timings, run niced, and so does what they start; the search's workers keep the tuner's."""
+    """Inductor's compiles of three modes run beside the search, which keeps first call on the
+    host's cores: the early baselines' workers, both sides of their timings, run niced, and so
+    does what they start; the search's workers keep the tuner's priority."""
     from agent.early_baselines import BASELINE_NICE
 
     def niceness(worker) -> set[int]:
