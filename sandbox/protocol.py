@@ -132,7 +132,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None, raw: bool =
         buf = torch.empty(n, dtype=torch.uint8) if raw else bytearray(n)
     except (MemoryError, RuntimeError) as e:  # the worker that sent it is not trusted further
         raise ChannelClosed(f"a frame of {n} bytes could not be held: {e}") from None
-    view = memoryview(buf.numpy() if raw else buf).cast("B")
+    view = memoryview(buf.numpy() if raw else buf)
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()

@@ -76,14 +76,14 @@ class WorkerConfig:
     """A host folder, bound writable into the jail, that holds Inductor's and Triton's caches
     instead of the worker's own empty ones (agent/ways.py: a compile baseline fills its mode's,
     a way with our kernels starts from a copy of it). None: the worker's own, gone with it."""
-    nice: int = 0
-    """How much lower the worker's CPU priority is than the tuner's (started under `nice -n`: the
-    jail and every process the worker starts inherit it): the compile baselines beside the
-    search (agent/early_baselines.py)."""
     compile_cache_at: str | None = None
     """Where the jailed worker sees `compile_cache` (None: at its own path). A copy of a baseline's
     cache is seen at the baseline's path: Triton's and Inductor's files name each other by
     absolute path, which must lead into the copy, never to the baseline's folder (hidden there)."""
+    nice: int = 0
+    """How much lower the worker's CPU priority is than the tuner's (started under `nice -n`: the
+    jail and every process the worker starts inherit it): the compile baselines beside the
+    search (agent/early_baselines.py)."""
 
 
 @dataclass
