@@ -569,6 +569,32 @@ def test_where_the_tuned_model_was_slower_the_original_runs_there(run, tmp_path,
     assert [x.name for x in result.workloads] == ["rows8", "rows32"] and all(x.tuned_ms for x in result.workloads)
 
 
+def test_the_cuda_graph_way_not_timed_as_the_tuned_model_is_a_column_of_its_own(run, tmp_path, monkeypatch):
+    """On the H100 the example's graphed way read 1.701 ms on small batch where the way the report
+    called best read 1.731, and the report never showed it: the graphed way replaced the tuned
+    model wholesale or was dropped. Here (the CPU has no CUDA graphs) a stand-in for it, the routed
+    model slowed by a sleep per call, is measured and shown beside the tuned model."""
+    from agent import integrate as integ
+    from agent import ways
+    from agent.report.numbers import standings
+    slowed = ("\n_unslowed = forward\n\n\ndef forward(model, *args, **kwargs):\n    import time\n"
+              "    time.sleep(0.01)\n    return _unslowed(model, *args, **kwargs)\n")
+    monkeypatch.setattr(ways, "graphed_candidate", lambda routes: ways.routed_candidate(routes).model_copy(
+        update={"source": ways.routed_candidate(routes).source + slowed, "template": "cuda_graph"}))
+    monkeypatch.setattr(integ, "ways_of", lambda accepted, graphed, **kw: ways.ways_of(accepted, graphed=True, **kw))
+    folder, _ = run
+    shutil.copytree(folder.path, tmp_path / "run")
+    steps: list[str] = []
+    result = integ.integrate(tmp_path / "run", "cpu", baselines=False, on_step=steps.append)
+    assert not result.cuda_graph and result.accepted, (result.notes, steps)
+    for w in result.workloads:
+        graphed = w.baselines.get(integ.GRAPHED_WAY)
+        assert graphed and w.tuned_ms and graphed > w.tuned_ms + 5, (w.name, graphed, w.tuned_ms, steps, result.notes)
+        assert w.baseline_bands[integ.GRAPHED_WAY] is not None and w.baseline_speedups[integ.GRAPHED_WAY]
+        assert integ.GRAPHED_WAY in dict(standings(w)[0])  # the report ranks it among our ways
+    assert integ.GRAPHED_WAY not in result.baseline_fallbacks and integ.GRAPHED_WAY not in result.dynamo
+
+
 def test_where_the_compiler_did_every_region_as_fast_no_compiled_way_of_ours_is_run(monkeypatch):
     """Every region left to the compiler on every workload: "nightshift + <mode>" would be the
     mode itself, so it is not run, and the notes say why it is missing from the table."""
