@@ -1,4 +1,5 @@
 import atexit
+import ctypes
 import os
 import sys
 import threading
@@ -13,12 +14,26 @@ from agent.cli import main
 EXIT_AFTER_INTERRUPT_S = float(os.environ.get("NIGHTSHIFT_EXIT_AFTER_INTERRUPT_S") or 20.0)
 
 
+def _interrupt_handled() -> None:
+    """A KeyboardInterrupt raised inside code that C code ran as a string (PyRun_String and the like;
+    which call the SIGTERM landed in was not found) sets CPython's flag for an unhandled one even
+    when a command caught it; after finalizing, the interpreter then killed itself with SIGINT instead of
+    exiting with the code chosen here (2 of 40 SIGTERMs at a profile's start, the flag set in both).
+    Every exit comes through `end` with its code chosen, so the flag is cleared (CPython 3.11 names
+    it; later versions keep it where ctypes cannot reach, and nothing changes there)."""
+    try:
+        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
+    except (ValueError, AttributeError, OSError):
+        pass
+
+
 def end(code) -> None:
     """The process ends here. A daemon thread still running (a planner call left waiting, a
     preload) is unwound by Python 3.11's exit, and one inside torch's C++ code then aborts the
     process ("terminate called without an active exception") after the command had written
     its results. So with one alive: the exit handlers run, the streams are flushed, and the
     process ends without finalizing the interpreter."""
+    _interrupt_handled()
     if not any(t.daemon and t.is_alive() for t in threading.enumerate()):
         if code == 130:
             _end_within(EXIT_AFTER_INTERRUPT_S, code)

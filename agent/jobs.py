@@ -73,7 +73,8 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
     ceilings = get_ceilings(dev)
     # torch imports its compiler lazily, on the first call some ops make under the profiler's
     # modes (indexing a tensor, as a KV cache per layer does): a SIGTERM in the middle of that
-    # import left the interpreter half-initialised, dying of SIGINT instead of exiting 130.
+    # import landed in code it execs, and the process died of SIGINT instead of exiting 130 (the
+    # flag CPython sets then is cleared at exit now: agent/__main__.py).
     import torch._dynamo  # noqa: F401
     run = RunFolder.create(runs_dir, loaded.path)
     try:

@@ -309,6 +309,35 @@ def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_pat
     assert json.loads(got.stdout) and marker.exists()  # its output whole, the exit handlers run
 
 
+FLAGGED = """import ctypes, runpy
+import agent.cli
+
+def command():
+    # A SIGTERM landing in code that C ran as a string (exec of a dataclass's __init__ during an
+    # import, say), caught by the command: CPython flags it as unhandled all the same.
+    run = ctypes.pythonapi.PyRun_String
+    run.restype, run.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object]
+    try:
+        run(b"raise KeyboardInterrupt('SIGTERM')", 257, {}, {})
+    except KeyboardInterrupt:
+        raise SystemExit(3)
+
+agent.cli.main = command
+runpy.run_module("agent", run_name="__main__")
+"""
+
+
+def test_an_interrupt_a_command_caught_inside_c_code_does_not_become_the_exit(tmp_path):
+    """The SIGTERM-while-profiling test died of SIGINT (exit -2) 2 times in 40 after printing its
+    clean message: the interrupt had been raised inside a string C code ran, which sets CPython's
+    flag for an unhandled one, and the interpreter killed itself by SIGINT after finalizing. The
+    command's own exit code comes back (run with -m, as `agent` runs)."""
+    (tmp_path / "flagged.py").write_text(FLAGGED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    got = subprocess.run([sys.executable, "-m", "flagged"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 3, (got.returncode, got.stderr[-2000:])
+
+
 def test_an_interrupt_ends_the_command_even_with_a_thread_nothing_will_end(tmp_path):
     """A SIGTERM that cut a thread pool's submit short left a thread that nothing ever ends (started,
     never registered for the pool's shutdown); the interpreter's exit waited for it forever (1 in
