@@ -99,7 +99,11 @@ def _profile(tmp_path, name):
     path = tmp_path / f"{name}.py"
     path.write_text(textwrap.dedent(HEADER + MODELS[name]))
     loaded = load_model(path, "cpu")
-    return profile_model(loaded, "cpu", None, None, iters=3, warmup=1)
+    # The least disturbed of two profiles, each module's time the median of five forwards: on
+    # CI's loaded two cores a median of three let preempted ops take a model's regions whole
+    # (tests/test_problem_set.py).
+    return min((profile_model(loaded, "cpu", None, None, iters=5, warmup=2) for _ in range(2)),
+               key=lambda r: r.total_ms)
 
 
 @pytest.fixture(scope="module")
