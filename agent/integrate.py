@@ -186,7 +186,7 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
         errors: dict[str, str] = {}
         fallbacks: dict[str, str] = {}
         dynamo: dict[str, dict] = {}
-        for way, b in [*((w, trials.get(w)) for w in [*BASELINES, *map(composed_name, BASELINES)]), *also.items()]:
+        for way, b in ({w: trials.get(w) for w in [*BASELINES, *map(composed_name, BASELINES)]} | also).items():
             if b is None:
                 continue
             name, compiled_way = way, way not in also
