@@ -160,6 +160,16 @@ def test_the_run_folder_and_model_file_are_byte_identical_after_the_suite(untouc
 
 
 def test_harness_survives_crashes_and_still_verifies_and_times(runner):
+    # The suite's 15 s answer limit ends its hanging candidates soon; the interpreted kernel's
+    # verification took 23 s on a loaded CI machine, so here the limit is only a hang guard.
+    limits, runner.limits = runner.limits, Limits(**{**runner.limits.__dict__, "run_s": 120.0})
+    try:
+        _crash_then_verify_and_time(runner)
+    finally:
+        runner.limits = limits
+
+
+def _crash_then_verify_and_time(runner):
     crash = Candidate(region="LlamaRMSNorm", source="import os\ndef forward(m, x):\n    os._exit(1)\n")
     assert runner.run(crash).status is Status.crash
     # A Triton kernel verified after the crash (under the interpreter: timing it would take a
