@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 import torch
@@ -19,6 +20,7 @@ from sandbox.runner import Limits, TrialRunner
 from tools.capture import RegionChoice, freeze
 from tools.capture_model import freeze_model
 from tools.modelfile import load_model
+from tools.problem import Problem
 from tools.region import build_region, module_state
 from tools.trial import Candidate, Status
 
@@ -240,13 +242,55 @@ def forward(module, x):
 """
 
 
+NAN_HEAD = """
+import torch
+from torch import nn
+
+class NanHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.lin(x) * float("nan")
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = NanHead()
+
+    def forward(self, x):
+        return self.head(x)
+
+def get_init_inputs():
+    return []
+
+def get_inputs():
+    return [torch.randn(4, 16)]
+"""
+NANS = """import torch
+
+def forward(module, x):
+    return torch.full((x.shape[0], 8), float("nan"))
+"""
+
+
 def test_a_region_whose_output_is_constant_is_said_so_and_its_trials_flagged(tmp_path):
     loaded = load_model(_write(tmp_path, "constant.py", CONSTANT), "cpu")
     (problem,), skipped = freeze(loaded, [RegionChoice("Model")], tmp_path / "problems", torch.device("cpu"))
     assert not skipped and problem.constant_output == 0.0
     assert any("every output element is 0" in n for n in problem.notes)
-    (zeros,) = _judged([tmp_path / "problems" / problem.name], (problem.name, ZEROS))
+    # NaN everywhere (a degenerate model) is a constant too: NaN matches NaN, so NaNs from nothing
+    # passed, 4.5x "faster" and unflagged; the NaN survives the problem file (JSON null did not).
+    nan_model = load_model(_write(tmp_path, "nan_head.py", NAN_HEAD), "cpu")
+    (nan,), skipped = freeze(nan_model, [RegionChoice("NanHead")], tmp_path / "problems", torch.device("cpu"))
+    assert not skipped and nan.constant_output is not None and math.isnan(nan.constant_output)
+    assert any("every output element is nan" in n for n in nan.notes)
+    assert math.isnan(Problem.load(tmp_path / "problems" / nan.name).constant_output)
+    zeros, nans = _judged([tmp_path / "problems" / problem.name, tmp_path / "problems" / nan.name],
+                          (problem.name, ZEROS), (nan.name, NANS))
     assert zeros.status is Status.ok and any("constant" in f for f in zeros.flags), (zeros.status, zeros.flags)
+    assert nans.status is Status.ok and any("constant (nan" in f for f in nans.flags), (nans.status, nans.flags)
     other = load_model(_write(tmp_path, "argmax.py", ARGMAX), "cpu")
     (varied,), _ = freeze(other, [RegionChoice("Model")], tmp_path / "problems2", torch.device("cpu"))
     assert varied.constant_output is None

@@ -303,13 +303,15 @@ def _seeded_calls(region: torch.nn.Module, inputs: list[dict], device: torch.dev
 
 def _constant(outputs: list) -> float | None:
     """The one value every floating-point output element holds, if there is one (and more than
-    one element to hold it), else None."""
+    one element to hold it), else None. NaN where every element is NaN: NaN matches NaN, so an
+    answer of NaNs computed from nothing passes there as surely as a constant does."""
     floats = [t for t in outputs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     if not floats or sum(t.numel() for t in floats) < 2:
         return None
-    lo, hi = zip(*(torch.aminmax(t.detach().float()) for t in floats))
-    low, high = float(min(lo)), float(max(hi))
-    return low if low == high and math.isfinite(low) else None
+    if all(bool(torch.isnan(t).all()) for t in floats):
+        return math.nan
+    ends = [float(v) for t in floats for v in torch.aminmax(t.detach().float())]
+    return ends[0] if not any(math.isnan(v) for v in ends) and min(ends) == max(ends) else None
 
 
 def model_bytes(model: torch.nn.Module) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tools.capture import _eval_note, _source, _state_written, _train_only, _versions, model_bytes
+from tools.capture import _constant, _eval_note, _source, _state_written, _train_only, _versions, model_bytes
 from tools.fixed_answer import FIXED_INTS_NOTE, fresh_draws, rewrites_reason, rewrites_when_moved
 from tools.inplace import inplace_paths
 from tools.graph import signature_facts
@@ -92,6 +92,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         raise ValueError(f"the model raises on fresh inputs drawn from the frozen ones ({why})")
     if rewritten := rewrites_when_moved(model, lambda m, a, k: m(*a, **k), inputs[0], device, random, fixed_ints):
         raise ValueError(rewrites_reason("the model", rewritten))
+    constant = _constant([t for r in reference for t in r["outputs"]])
     problem = Problem(
         name=MODEL_PROBLEM, region_class=type(model).__qualname__, region_path="", instances=[""],
         region_source=_source(type(model)), model_file=str(loaded.path), model_hash=file_sha256(loaded.path),
@@ -102,9 +103,11 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
         inplace_inputs=inplace_paths([p["name"] for p in signature_facts(type(model))],
                                      set(inplace_names(type(model))), inputs[0]), seeded_calls=random,
-        fixed_ints=fixed_ints,
+        fixed_ints=fixed_ints, constant_output=constant,
         model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}),
-        notes=([_eval_note(kinds)] if (kinds := _train_only(loaded, model)) else []) + ([FIXED_INTS_NOTE] if fixed_ints else []))
+        notes=([_eval_note(kinds)] if (kinds := _train_only(loaded, model)) else []) + ([FIXED_INTS_NOTE] if fixed_ints else [])
+               + ([f"every output element is {constant:g} on every workload: a candidate may return that without "
+                   "computing; its trials are flagged"] if constant is not None else []))
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem
 

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tools import seal
 
@@ -172,6 +172,9 @@ class Workload(BaseModel):
 
 class Problem(BaseModel):
     """One region to speed up, frozen before trial 1."""
+
+    # A NaN or infinite `constant_output` is written as JSON's NaN/Infinity, not null (lost on load).
+    model_config = ConfigDict(ser_json_inf_nan="constants")
 
     name: str
     """Folder name, e.g. `LlamaMLP`."""
