@@ -66,9 +66,19 @@ class Feed:
             self.changed.notify_all()
 
 
+class LaneError:
+    """What a lane thread died of (a store that cannot be written: the disk is full), put in its
+    results so the loop that reads them raises it: one message and the command's exit, not a
+    thread's traceback while the other lanes go on."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
 def results_of(results: queue.Queue, lanes: int, tick: float = 0.02) -> Iterator:
     """What lane threads put in `results` (each puts None once, when it ends), until every lane
-    has ended; None whenever `tick` seconds pass without a result, so the caller can refill the feed."""
+    has ended; None whenever `tick` seconds pass without a result, so the caller can refill the feed.
+    A lane's `LaneError` is raised here."""
     while lanes:
         try:
             item = results.get(timeout=tick)
@@ -77,5 +87,7 @@ def results_of(results: queue.Queue, lanes: int, tick: float = 0.02) -> Iterator
             continue
         if item is None:
             lanes -= 1
+        elif isinstance(item, LaneError):
+            raise item.error
         else:
             yield item

@@ -406,3 +406,29 @@ def test_on_a_gpu_host_with_cores_to_spare_judges_run_beside_a_timing(monkeypatc
     with quiet.timing(whole_model=True):  # a whole model's time counts its host: the judge ends first
         assert time.monotonic() - t0 > 0.2 and quiet.rw.sharing == 0
     j.join(timeout=5)
+
+
+def test_a_lane_that_fails_ends_the_search_with_its_error_not_a_thread_traceback(problem_dir, monkeypatch):
+    """A lane's own error (the store it records a start in cannot be written: the disk is full)
+    is raised where the trials are read, so the command ends with its one-line message; it was
+    a thread's traceback on stderr, and the other lanes went on."""
+    from agent.budget import Budget
+    from agent.executors.local import LocalExecutor, Slot
+    from agent.feed import Feed
+    from tools.problem import StopRule
+    from tools.store import StoreError
+    died = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+
+    def disk_full(c, generation):
+        raise StoreError("trials.sqlite: cannot write (database or disk is full)")
+    ex = LocalExecutor([Slot(device="cpu", generation="cpu")], [problem_dir], limits=LIMITS)
+    feed = Feed(["cpu"])
+    feed.put([(candidate(), "cpu", "")])
+    try:
+        with pytest.raises(StoreError, match="disk is full"):
+            for _ in ex.run(feed, Budget(StopRule(max_candidates=5)), on_start=disk_full):
+                pass
+    finally:
+        ex.close()
+    assert died == []

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from agent.budget import Budget
-from agent.feed import Feed, results_of
+from agent.feed import Feed, LaneError, results_of
 from sandbox.client import WorkerConfig
 from sandbox.spawn import spares_on
 from sandbox.pool import SEARCH_COMPILE_THREADS, DevicePool
@@ -195,6 +195,8 @@ class LocalExecutor:
                     trial.generation = slot.generation
                     budget.finish(token, trial)
                     results.put(trial)
+            except Exception as e:
+                results.put(LaneError(e))
             finally:
                 results.put(None)
 
