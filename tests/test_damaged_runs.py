@@ -92,3 +92,38 @@ def test_a_profiled_run_without_a_store_is_no_error(tuned, tmp_path):
     result = agent("status", run, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["state"] == "not started"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB file system of its own (a tmpfs: root with mount rights, as on CI), unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small file system here (needs root with mount rights)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_store_on_a_full_disk_is_not_called_damaged(tuned, small_disk):
+    """A WAL store cannot be opened while its disk is full and its -shm file must be made again
+    ("disk I/O error"). The advice for damage (restore a backup, start a new run) would have a
+    user throw a good store away: the message names the full disk, and once there is room the
+    same command reads every trial."""
+    run = small_disk / "run"
+    shutil.copytree(tuned, run)
+    (run / "trials.sqlite-shm").unlink(missing_ok=True)
+    with open(small_disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass
+    full = agent("status", run)
+    assert full.returncode == 2, (full.stdout[-2000:], full.stderr[-2000:])
+    lines = [ln for ln in full.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "disk holding it is full" in lines[0] and "backup" not in lines[0], full.stderr
+    (small_disk / "filler").unlink()
+    again = agent("status", run, "--json")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert sum(r["trials"] for r in json.loads(again.stdout)["regions"]) == 2

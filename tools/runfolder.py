@@ -34,6 +34,8 @@ STORE_FILE = "trials.sqlite"
 LOCK_FILE = "tune.lock"
 LOG_FILE = "log.txt"
 WORKER_DIR_PREFIX = "nightshift-worker-"
+FULL_BELOW = 1 << 20
+"""Free bytes under which a run's disk counts as full."""
 """sandbox/client.py makes each worker's private folder under the system temp dir with it."""
 
 
@@ -176,16 +178,21 @@ class RunFolder:
         try:
             store = Store(path, readonly=True)
         except StoreError as e:
-            raise ProblemError(f"{e}{self._what_to_do()}") from None
+            raise ProblemError(f"{e}{self._what_to_do(unreadable=True)}") from None
         try:
             store.check()
         except StoreError as e:
-            raise ProblemError(f"{e}{self._what_to_do()}") from None
+            raise ProblemError(f"{e}{self._what_to_do(unreadable=True)}") from None
         finally:
             store.close()
         return True
 
-    def _what_to_do(self) -> str:
+    def _what_to_do(self, unreadable: bool = False) -> str:
+        # A WAL store cannot be read while its disk is full ("disk I/O error"): that is no damage,
+        # and the usual advice (a backup, a new run) would have a user throw away a good store.
+        if unreadable and (free := _free_bytes(self.store_path.parent)) is not None and free < FULL_BELOW:
+            return (f": the disk holding it is full ({free} bytes free); free some space and run this again "
+                    f"(nothing in {self.path} was changed)")
         try:
             model = self.info().model_file
         except ProblemError:
@@ -337,3 +344,12 @@ def _paths_in_use(under: str) -> list[str] | None:
             continue
         out += [a.decode(errors="replace") for a in args if under.encode() in a]
     return [a for path in out for a in path.replace("=", " ").replace(":", " ").split() if a.startswith(under)]
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding `folder`."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
