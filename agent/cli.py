@@ -8,6 +8,7 @@ box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report writt
 
 from __future__ import annotations
 
+import errno
 import json
 import sqlite3
 import sys
@@ -62,6 +63,10 @@ def _guard(fn):
             stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
             _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code
+            if e.errno == errno.ENOSPC:  # often raised as a file closes, where it names no file
+                where = f"{e.filename}: no space left on its disk" if e.filename else \
+                    "no space left on a disk this command writes to"
+                _fail(f"{where}; free some space and run this again")
             _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
         except sqlite3.Error as e:
             _fail(f"the run's store: {e}")

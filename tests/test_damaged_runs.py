@@ -47,6 +47,11 @@ def _damage(store: Path, kind: str) -> None:
     elif kind == "a directory":
         store.unlink()
         store.mkdir()
+    elif kind == "blank":  # an SQLite file with no table, as a full disk leaves one being made
+        store.unlink(missing_ok=True)
+        db = sqlite3.connect(store)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.close()
     elif kind == "another database":
         store.unlink()
         db = sqlite3.connect(store)
@@ -55,7 +60,7 @@ def _damage(store: Path, kind: str) -> None:
         db.close()
 
 
-KINDS = ["truncated", "garbage", "empty", "deleted", "a directory", "another database"]
+KINDS = ["truncated", "garbage", "empty", "deleted", "a directory", "another database", "blank"]
 COMMANDS = {"tune --resume": ["tune", "--resume", "{run}", "--no-integrate"], "status": ["status", "{run}"],
             "report": ["report", "{run}"], "try": ["try", "{run}", CANDIDATE], "apply": ["apply", "{run}"]}
 
@@ -113,12 +118,7 @@ def test_a_store_on_a_full_disk_is_not_called_damaged(tuned, small_disk):
     run = small_disk / "run"
     shutil.copytree(tuned, run)
     (run / "trials.sqlite-shm").unlink(missing_ok=True)
-    with open(small_disk / "filler", "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError:
-            pass
+    _fill(small_disk)
     full = agent("status", run)
     assert full.returncode == 2, (full.stdout[-2000:], full.stderr[-2000:])
     lines = [ln for ln in full.stderr.splitlines() if ln.strip()]
@@ -127,3 +127,39 @@ def test_a_store_on_a_full_disk_is_not_called_damaged(tuned, small_disk):
     again = agent("status", run, "--json")
     assert again.returncode == 0, again.stderr[-2000:]
     assert sum(r["trials"] for r in json.loads(again.stdout)["regions"]) == 2
+
+
+def test_a_tune_on_a_full_disk_ends_in_one_line(small_disk):
+    """The disk filled before the run could be made: the error names the full disk (a write
+    that fails as its file closes names no file); no traceback, exit 2."""
+    _fill(small_disk)
+    result = agent("tune", "--model", TINY, "--runs-dir", small_disk / "runs", "--max-candidates", 1, "--devices", "cpu",
+                   "--no-integrate")
+    assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    last = [ln for ln in result.stderr.splitlines() if ln.strip()][-1]  # torch's profiler may complain first
+    assert last.startswith("error: ") and "no space left" in last and "free some space" in last, result.stderr
+
+
+def test_a_store_a_full_disk_left_without_tables_is_no_damage(tuned, tmp_path):
+    """The disk filled as the store was made, after the problems were frozen: an SQLite file with
+    no table. With no candidate tried it is a store not yet written, not damage: the frozen run
+    resumes (with candidates tried, the same file is damage: see KINDS)."""
+    run = tmp_path / "run"
+    shutil.copytree(tuned, run, ignore=shutil.ignore_patterns("trials.sqlite*", "candidates", "report*"))
+    _damage(run / "trials.sqlite", "blank")
+    status = agent("status", run, "--json")
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert json.loads(status.stdout)["state"] == "not started"
+    resumed = agent("tune", "--resume", run, "--max-candidates", 1, "--no-integrate", "--json")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sum(r["trials"] for r in json.loads(agent("status", run, "--json").stdout)["regions"]) == 1
+
+
+def _fill(disk: Path) -> None:
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError:
+            pass

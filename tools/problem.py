@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,18 @@ PROBLEM_FILE = "problem.json"
 INPUTS_FILE = "inputs.pt"
 REFERENCE_FILE = "reference.pt"
 STATE_FILE = "state.pt"
+
+
+FULL_BELOW = 1 << 20
+"""Free bytes under which a run's disk counts as full."""
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding `folder`."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 class ProblemError(ValueError):
@@ -261,7 +274,12 @@ class Problem(BaseModel):
         import torch
         folder.mkdir(parents=True, exist_ok=True)
         for fname, obj in ((INPUTS_FILE, inputs), (REFERENCE_FILE, reference), (STATE_FILE, state)):
-            torch.save(obj, folder / fname)
+            try:
+                torch.save(obj, folder / fname)
+            except RuntimeError as e:  # torch's writer says "unexpected pos" where the disk is full
+                free = free_bytes(folder)
+                why = f"its disk is full, {free} bytes free" if free is not None and free < FULL_BELOW else str(e)
+                raise ProblemError(f"{folder / fname}: cannot write it ({why})") from None
             self.hashes[fname] = file_hash(folder / fname)
         tmp = folder / (PROBLEM_FILE + ".tmp")
         tmp.write_text(self.model_dump_json(indent=2))

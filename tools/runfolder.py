@@ -27,15 +27,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tools.problem import Problem, ProblemError
+from tools.problem import FULL_BELOW, Problem, ProblemError, free_bytes
 from tools.store import Store, StoreError
 
 STORE_FILE = "trials.sqlite"
 LOCK_FILE = "tune.lock"
 LOG_FILE = "log.txt"
 WORKER_DIR_PREFIX = "nightshift-worker-"
-FULL_BELOW = 1 << 20
-"""Free bytes under which a run's disk counts as full."""
 """sandbox/client.py makes each worker's private folder under the system temp dir with it."""
 
 
@@ -136,7 +134,11 @@ class RunFolder:
 
     def write_info(self, info: RunInfo) -> None:
         tmp = self.path / "run.json.tmp"
-        tmp.write_text(info.model_dump_json(indent=2))
+        try:
+            tmp.write_text(info.model_dump_json(indent=2))
+        except OSError as e:  # raised as the file closes (a full disk), where it names no file
+            tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, e.strerror, str(self.path / "run.json")) from None
         tmp.replace(self.path / "run.json")
 
     def update_options(self, **options: Any) -> RunInfo:
@@ -154,7 +156,7 @@ class RunFolder:
         try:
             return Store(self.store_path, readonly=readonly)
         except StoreError as e:
-            raise ProblemError(f"{e}{self._what_to_do()}") from None
+            raise ProblemError(f"{e}{self._what_to_do(unreadable=True)}") from None
 
     def tried_candidates(self) -> int:
         """Candidate files the run has saved: evidence that it has tried things."""
@@ -180,6 +182,8 @@ class RunFolder:
         except StoreError as e:
             raise ProblemError(f"{e}{self._what_to_do(unreadable=True)}") from None
         try:
+            if store.blank() and not self.tried_candidates():
+                return True  # made, its tables never written (the disk filled): like an empty file
             store.check()
         except StoreError as e:
             raise ProblemError(f"{e}{self._what_to_do(unreadable=True)}") from None
@@ -190,7 +194,7 @@ class RunFolder:
     def _what_to_do(self, unreadable: bool = False) -> str:
         # A WAL store cannot be read while its disk is full ("disk I/O error"): that is no damage,
         # and the usual advice (a backup, a new run) would have a user throw away a good store.
-        if unreadable and (free := _free_bytes(self.store_path.parent)) is not None and free < FULL_BELOW:
+        if unreadable and (free := free_bytes(self.store_path.parent)) is not None and free < FULL_BELOW:
             return (f": the disk holding it is full ({free} bytes free); free some space and run this again "
                     f"(nothing in {self.path} was changed)")
         try:
@@ -344,12 +348,3 @@ def _paths_in_use(under: str) -> list[str] | None:
             continue
         out += [a.decode(errors="replace") for a in args if under.encode() in a]
     return [a for path in out for a in path.replace("=", " ").replace(":", " ").split() if a.startswith(under)]
-
-
-def _free_bytes(folder: Path) -> int | None:
-    """Bytes an unprivileged writer may still use on the file system holding `folder`."""
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize

@@ -106,6 +106,13 @@ class Store:
         db.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()
         return db
 
+    def blank(self) -> bool:
+        """No table at all: made, but its schema never written (the disk filled as it was made)."""
+        try:
+            return self.db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is None
+        except sqlite3.Error:
+            return False
+
     def check(self) -> None:
         """Raise StoreError unless the whole file reads as a trial store (a truncated or
         overwritten file often opens fine and fails only on the page it lost)."""
