@@ -86,6 +86,28 @@ def bwrap_path() -> str | None:
         return None
 
 
+HIDDEN_BYTES = 1 << 20
+"""The size of a tmpfs that only hides a folder (it holds the folders bound back into it)."""
+
+
+def folder_bytes(memory_gb: float) -> int:
+    """The size of the jail's own folder, a tmpfs: what a candidate writes there (its kernel
+    caches, or a flood) is held in the host's memory, and an unsized tmpfs takes up to half of
+    it. The worker's memory budget, and at most a quarter of the host's memory."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(memory_gb * (1 << 30), ram // 4))
+
+
+@functools.lru_cache(maxsize=None)
+def _sizes_tmpfs(bwrap: str) -> bool:
+    """bwrap 0.10 and later size a tmpfs (`--size`); older ones refuse the option."""
+    try:
+        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--size" in out.stdout + out.stderr
+
+
 def _read(path: str) -> str:
     return Path(path).read_text()
 
@@ -242,21 +264,27 @@ def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], wr
 
 
 def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: list[str], gpu: bool,
-              keep: list[str] = (), writable: list[tuple[str, str]] = ()) -> list[str]:
+              keep: list[str] = (), writable: list[tuple[str, str]] = (), folder_bytes: int | None = None) -> list[str]:
     """The bwrap command line that runs `cmd` in the jail described in the module docstring.
     `keep`: folders (the model's) visible even inside a strongly hidden one. `writable`: (folder,
-    path inside) pairs, mounted read-write there even inside a hidden folder (a compile cache)."""
+    path inside) pairs, mounted read-write there even inside a hidden folder (a compile cache).
+    `folder_bytes`: the size of the tmpfs that holds the worker's own folder (where bwrap can)."""
     visible = sorted({os.path.realpath(v) for v in visible if os.path.exists(v)})
     weak = [w for w in weak if w not in visible] + ([] if "/tmp" in weak else ["/tmp"])  # the workdir's tmpfs
     argv = [bwrap_path() or "bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    sized = folder_bytes is not None and _sizes_tmpfs(argv[0])
+
+    def tmpfs(h: str) -> list[str]:
+        size = (folder_bytes if _under(WORKDIR, h) else HIDDEN_BYTES) if sized else None
+        return ["--perms", "0755"] + (["--size", str(size)] if size else []) + ["--tmpfs", h]
     for h in sorted(weak, key=lambda s: s.count("/")):
-        argv += ["--perms", "0755", "--tmpfs", h]
+        argv += tmpfs(h)
     made: set[str] = set()
     for v in visible:
         if any(_under(v, h) for h in weak):
             _bind_back(argv, v, weak, made)
     for h in sorted(strong, key=lambda s: s.count("/")):  # after the binds: hidden inside them too
-        argv += ["--perms", "0755", "--tmpfs", h]
+        argv += tmpfs(h)
     for k in sorted({os.path.realpath(k) for k in keep if os.path.exists(k)}):
         inside = [h for h in strong if _under(k, h) and h != k]
         if inside:  # the strong tmpfs above replaced any parents made before: make them again
@@ -278,7 +306,7 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
 
 
 def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool,
-         writable: list[tuple[str, str]] = ()) -> tuple[list[str], Isolation, str]:
+         writable: list[tuple[str, str]] = (), folder_bytes: int | None = None) -> tuple[list[str], Isolation, str]:
     """(argv, isolation, cwd inside) for a worker command: jailed with bubblewrap when it works.
     `hide`: run folders (and any other folder) the worker must never see; `writable`: folders
     it may write (jail_argv)."""
@@ -289,4 +317,4 @@ def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool
     weak, strong = hidden_paths([Path(h) for h in hide] + [Path(d) for d in model_dirs])
     strong = [s for s in strong if s not in model_dirs]
     return (jail_argv(cmd, weak=weak, strong=strong, visible=python_paths() + model_dirs, gpu=gpu, keep=model_dirs,
-                      writable=list(writable)), iso, WORKDIR)
+                      writable=list(writable), folder_bytes=folder_bytes), iso, WORKDIR)

@@ -108,7 +108,7 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
     argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
                                   model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda",
                                   writable=[(cfg.compile_cache, cfg.compile_cache_at or cfg.compile_cache)]
-                                  if cfg.compile_cache else [])
+                                  if cfg.compile_cache else [], folder_bytes=jail.folder_bytes(cfg.memory_gb))
     if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":
         shutil.rmtree(tmpdir, ignore_errors=True)
         return Reply(False, status="crash", error=f"NIGHTSHIFT_REQUIRE_JAIL=1 and no jail: {iso.note}")
