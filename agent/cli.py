@@ -8,7 +8,6 @@ box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report writt
 
 from __future__ import annotations
 
-import errno
 import json
 import sqlite3
 import sys
@@ -48,7 +47,7 @@ def _guard(fn):
     """Turn the library's user-facing errors into one line and exit code 2."""
     @wraps(fn)
     def wrapper(*args, **kwargs):
-        from agent.errors import UserError
+        from agent.errors import UserError, os_error_line
         from tools.modelfile import ModelFileError
         from tools.problem import ProblemError
         from tools.store import StoreError
@@ -63,11 +62,7 @@ def _guard(fn):
             stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
             _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code
-            if e.errno == errno.ENOSPC:  # often raised as a file closes, where it names no file
-                where = f"{e.filename}: no space left on its disk" if e.filename else \
-                    "no space left on a disk this command writes to"
-                _fail(f"{where}; free some space and run this again")
-            _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+            _fail(os_error_line(e))
         except sqlite3.Error as e:
             _fail(f"the run's store: {e}")
     return wrapper
