@@ -122,7 +122,7 @@ def test_a_store_on_a_full_disk_is_not_called_damaged(tuned, small_disk):
     full = agent("status", run)
     assert full.returncode == 2, (full.stdout[-2000:], full.stderr[-2000:])
     lines = [ln for ln in full.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "disk holding it is full" in lines[0] and "backup" not in lines[0], full.stderr
+    assert len(lines) == 1 and "no space left on its disk" in lines[0] and "backup" not in lines[0], full.stderr
     (small_disk / "filler").unlink()
     again = agent("status", run, "--json")
     assert again.returncode == 0, again.stderr[-2000:]

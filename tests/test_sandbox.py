@@ -1,6 +1,7 @@
 """The adversarial suite: each cheating or broken candidate is rejected with the right status,
 the harness keeps running, and correct candidates pass."""
 
+import dataclasses
 import json
 import os
 import re
@@ -132,7 +133,7 @@ def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_
     source = fill_in(path.read_text(), frozen_run, closed_port, marker)
     limits = runner.limits
     if path.stem.startswith("sleeps"):  # the timeout is the point: no need to wait 30 s for it
-        runner.limits = Limits(**{**limits.__dict__, "compile_s": 6.0, "run_s": 6.0})
+        runner.limits = dataclasses.replace(limits, compile_s=6.0, run_s=6.0)
     try:
         trial = runner.run(Candidate(region="LlamaRMSNorm", source=source), do_time=timed(path))
     finally:
@@ -162,7 +163,7 @@ def test_the_run_folder_and_model_file_are_byte_identical_after_the_suite(untouc
 def test_harness_survives_crashes_and_still_verifies_and_times(runner):
     # The suite's 15 s answer limit ends its hanging candidates soon; the interpreted kernel's
     # verification took 23 s on a loaded CI machine, so here the limit is only a hang guard.
-    limits, runner.limits = runner.limits, Limits(**{**runner.limits.__dict__, "run_s": 120.0})
+    limits, runner.limits = runner.limits, dataclasses.replace(runner.limits, run_s=120.0)
     try:
         _crash_then_verify_and_time(runner)
     finally:

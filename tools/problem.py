@@ -12,8 +12,10 @@ Every tensor file is recorded with a content hash, so a changed file is caught o
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Literal
@@ -276,10 +278,10 @@ class Problem(BaseModel):
         for fname, obj in ((INPUTS_FILE, inputs), (REFERENCE_FILE, reference), (STATE_FILE, state)):
             try:
                 torch.save(obj, folder / fname)
-            except RuntimeError as e:  # torch's writer says "unexpected pos" where the disk is full
-                free = free_bytes(folder)
-                why = f"its disk is full, {free} bytes free" if free is not None and free < FULL_BELOW else str(e)
-                raise ProblemError(f"{folder / fname}: cannot write it ({why})") from None
+            except RuntimeError:  # torch's writer says "unexpected pos" where the disk is full
+                if (free := free_bytes(folder)) is None or free >= FULL_BELOW:
+                    raise
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / fname)) from None
             self.hashes[fname] = file_hash(folder / fname)
         tmp = folder / (PROBLEM_FILE + ".tmp")
         tmp.write_text(self.model_dump_json(indent=2))

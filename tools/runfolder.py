@@ -195,7 +195,7 @@ class RunFolder:
         # A WAL store cannot be read while its disk is full ("disk I/O error"): that is no damage,
         # and the usual advice (a backup, a new run) would have a user throw away a good store.
         if unreadable and (free := free_bytes(self.store_path.parent)) is not None and free < FULL_BELOW:
-            return (f": the disk holding it is full ({free} bytes free); free some space and run this again "
+            return (f": no space left on its disk ({free} bytes free); free some space and run this again "
                     f"(nothing in {self.path} was changed)")
         try:
             model = self.info().model_file
