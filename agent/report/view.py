@@ -227,6 +227,8 @@ def _cards(data: ReportData) -> list[Card]:
     said = e2e_verdict(res) if res else ""
     e2e = (f"{sp:.2f}x" if said != "no change" else f"no change ({sp:.2f}x)") if sp else "not yet"
     label = "end to end: integration has not run yet"
+    if res is None and data.integration_error:
+        e2e, label = "none", "end to end: integration gave no result (why: below)"
     if res:
         label = ("end-to-end speedup, weighted" + (f", A/A noise band ±{res.noise_band or 0.0:.1%}" if sp else "")
                  + (" (CPU timing)" if res.timing_kind == "cpu" else ""))
