@@ -1,5 +1,5 @@
 """Where the Jinja templates live, and rendering of the LLM prompts (StrictUndefined: a
-missing variable is an error, never an empty string in a prompt)."""
+missing variable is an error, never an empty string in a prompt or a report)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,15 @@ def prompts_dir() -> Path:
     raise FileNotFoundError("the prompts/ templates are not installed with this package")
 
 
+def template_environment(**options) -> jinja2.Environment:
+    """An environment over the `prompts` folder in which a missing variable fails the render."""
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(prompts_dir()), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, **options)
+
+
 @cache
 def _llm_environment() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(prompts_dir()), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    return template_environment(autoescape=False)
 
 
 def render_prompt(name: str, **context) -> str:
@@ -42,8 +47,7 @@ def _py_literal(value) -> str:
 
 @cache
 def _code_environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(prompts_dir()), undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+    env = template_environment(autoescape=False)
     env.filters["py"] = _py_literal
     return env
 

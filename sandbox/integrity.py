@@ -50,7 +50,7 @@ COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::li
                "aten::_scaled_dot_product_efficient_attention", "aten::scaled_dot_product_attention",
                "aten::cat", "aten::mul.Tensor", "aten::add.Tensor", "aten::sum.dim_IntList")
 """The aten ops regions compute with most, whose kernels a candidate must leave registered as they
-were. Kept here so the worker and its verification runs share it without importing each other."""
+were (the worker checks them, `Worker.tampered`, for its verification runs too)."""
 
 
 def _spaces(classes: list[type]) -> dict[str, Any]:

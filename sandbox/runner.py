@@ -97,6 +97,8 @@ class TrialRunner:
         self.problems: dict[str, LoadedProblem] = {}
         self.worker_starts_seen = -1
         self.phases: dict[str, float] = {}
+        self.last_checksums: list[float] = []
+        """The output checksums the candidate's last timed run reported (sandbox/timed.py sets them)."""
         self.doing: tuple[str, str, float] | None = None
         """(candidate, step, since when) while a trial runs: the progress line's 'now:'."""
         self._preloaded: _Preloaded | None = None
@@ -223,7 +225,7 @@ class TrialRunner:
             if why := trial.compile_fallback:
                 trial.flags.append(f"torch.compile {why}")
 
-    def _base(self, c: Candidate, lp: LoadedProblem | None) -> dict[str, Any]:
+    def trial_fields(self, c: Candidate, lp: LoadedProblem | None) -> dict[str, Any]:
         h = self.worker.hello or self.reference.hello
         return dict(region=c.region, candidate_hash=c.hash, planner=c.planner, template=c.template,
                     params=c.params, device=self.device, device_name=h.get("device_name", ""),
@@ -231,16 +233,16 @@ class TrialRunner:
                     versions={"torch": h.get("torch", ""), "triton": h.get("triton", "")},
                     jail=str(self.worker.isolation.get("kind", "")))
 
-    def _fail(self, c: Candidate, lp: LoadedProblem | None, reply: Reply, **extra: Any) -> Trial:
+    def failed(self, c: Candidate, lp: LoadedProblem | None, reply: Reply, **extra: Any) -> Trial:
         status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.crash
         if status is Status.oom:  # what it allocated may still be held by its module: a fresh worker next
             self.worker.kill()
         tampered = self._tampered_after_failure() if status not in (Status.crash, Status.lost, Status.oom) else []
         if tampered:  # the failure came with tampering: that is the verdict, and the worker goes
-            return self._suspicious(c, lp, "the candidate replaced functions of torch or the harness (and then "
+            return self.suspicious(c, lp, "the candidate replaced functions of torch or the harness (and then "
                                     f"failed: {error_line(reply.error)}): " + ", ".join(tampered[:5]),
                                     error_text=reply.error[-4000:], **extra)
-        return Trial(**self._base(c, lp), status=status, reason=error_line(reply.error),
+        return Trial(**self.trial_fields(c, lp), status=status, reason=error_line(reply.error),
                      error_text=reply.error[-4000:], **extra)
 
     def _tampered_after_failure(self) -> list[str]:
@@ -257,7 +259,7 @@ class TrialRunner:
     def _run(self, c: Candidate, do_time: bool, pre: "_Preloaded | None" = None) -> Trial:
         lp = self.problems.get(c.region)
         if lp is None:
-            return Trial(**self._base(c, None), status=Status.compile_error,
+            return Trial(**self.trial_fields(c, None), status=Status.compile_error,
                          reason=f"no problem named {c.region!r} in this run")
         failed = pre.failed if pre is not None else self._load(c, lp)
         if failed is not None:
@@ -272,9 +274,9 @@ class TrialRunner:
         if verdict.status is not Status.ok:
             if verdict.status is Status.suspicious:
                 self.worker.kill()  # a tampered worker is not trusted with the next candidate
-            return Trial(**self._base(c, lp), status=verdict.status, reason=verdict.reason, **numbers)
+            return Trial(**self.trial_fields(c, lp), status=verdict.status, reason=verdict.reason, **numbers)
         if not do_time:
-            return Trial(**self._base(c, lp), status=Status.ok, reason=verdict.reason, **numbers)
+            return Trial(**self.trial_fields(c, lp), status=Status.ok, reason=verdict.reason, **numbers)
         return timed.time_trial(self, c, lp, numbers)
 
     def _load(self, c: Candidate, lp: LoadedProblem) -> Trial | None:
@@ -293,19 +295,19 @@ class TrialRunner:
         if self.worker_starts_seen == self.worker.starts and time.monotonic() - t_start > 0.5:
             self.phases["start"] = time.monotonic() - t_start  # a worker (re)start, once per worker
         if bad is not None:
-            return self._fail(c, lp, Reply(False, status="lost", error=bad.error))
+            return self.failed(c, lp, Reply(False, status="lost", error=bad.error))
         self.members_before = self.worker.members()
         if drift := self.reference.problems[c.region].drift or self.unregistered.get(c.region):
-            return self._fail(c, lp, Reply(False, status="lost", error=drift))
+            return self.failed(c, lp, Reply(False, status="lost", error=drift))
         lim = self.limits
         self.step("importing and compiling")
         reply = self.worker.request({"op": "load", "problem": c.region, "source": c.source, "hash": c.hash},
                                     timeout=lim.compile_s)
         self.phases["load"] = reply.seconds
         if not reply.ok:
-            return self._fail(c, lp, reply)
+            return self.failed(c, lp, reply)
         if reply.header.get("tampered"):
-            return self._suspicious(c, lp, "the candidate replaced functions of torch or the harness on import: "
+            return self.suspicious(c, lp, "the candidate replaced functions of torch or the harness on import: "
                                     + ", ".join(reply.header["tampered"][:5]))
         return None
 
@@ -325,7 +327,7 @@ class TrialRunner:
             refs = self.reference.refs(c.region, fresh, perturb, lim.run_s, keep=True)
             self.phases["refs"] = time.monotonic() - t_refs  # the original's answers (0 when kept)
             if not refs.ok:
-                return None, self._fail(c, lp, Reply(False, status="lost", error="the reference worker failed: "
+                return None, self.failed(c, lp, Reply(False, status="lost", error="the reference worker failed: "
                                                      f"{refs.status}: {refs.error}"))
             reply = self.worker.request({"op": "verify", "output_bytes": out_bytes, "fresh": fresh, "perturb": perturb,
                                          "effects": reg.effects.get("mutates_inputs") or [False] * n},
@@ -335,13 +337,13 @@ class TrialRunner:
             reply = self.worker.request({"op": "verify_outputs"}, timeout=lim.run_s)
             self.phases["verify_outputs"] = reply.seconds
         if not reply.ok:
-            return None, self._fail(c, lp, reply)
+            return None, self.failed(c, lp, reply)
         runs = reply.tensors if isinstance(reply.tensors, dict) else {}
         for i in reply.header.get("b_same", []):  # bit-identical second runs were not sent again
             if isinstance(i, int) and 0 <= i < len(runs.get("b", [])) and runs["b"][i] is None:
                 runs["b"][i] = runs["a"][i]
         if not _complete(runs, reply.header, n):
-            return None, self._fail(c, lp, Reply(False, status="crash", error="the worker sent incomplete outputs"))
+            return None, self.failed(c, lp, Reply(False, status="crash", error="the worker sent incomplete outputs"))
         ev = verify.Evidence(reference=lp.reference, effects=reg.effects, fresh=refs.tensors["fresh"],
                              fresh_sets=[f["set"] for f in fresh], perturbed=refs.tensors["perturbed"],
                              perturbed_set=perturb["set"], pre_inputs=_pre_inputs(lp, reg))
@@ -360,9 +362,9 @@ class TrialRunner:
         sets.append(sets.pop(0))
         return sets[-1]
 
-    def _suspicious(self, c: Candidate, lp: LoadedProblem, reason: str, **extra: Any) -> Trial:
+    def suspicious(self, c: Candidate, lp: LoadedProblem, reason: str, **extra: Any) -> Trial:
         self.worker.kill()
-        return Trial(**self._base(c, lp), status=Status.suspicious, reason=reason, **extra)
+        return Trial(**self.trial_fields(c, lp), status=Status.suspicious, reason=reason, **extra)
 
     @contextlib.contextmanager
     def quiet(self):

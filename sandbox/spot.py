@@ -7,13 +7,35 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from tools import timing, verify
 
 if TYPE_CHECKING:
     from sandbox.client import Reply
-    from sandbox.runner import LoadedProblem, TrialRunner
+    from tools.problem import Problem
+
+
+class Loaded(Protocol):
+    """A problem as its runner loaded it (sandbox/runner.py's LoadedProblem is one)."""
+    problem: Problem
+    reference: list[dict]
+    """Per input set, the frozen original's outputs (they never enter a worker)."""
+
+
+class CheckingRunner(Protocol):
+    """What a spot check needs of the runner whose trial it checks (sandbox/runner.py's
+    TrialRunner is one; timing's needs, sandbox/timed.py's TimingRunner, include these)."""
+    limits: Any
+    worker: Any
+    """The candidate's worker."""
+    reference: Any
+    """The device's reference worker, which never runs candidate code."""
+    device: str
+    phases: dict[str, float]
+    """The trial's seconds by phase."""
+    last_checksums: list[float]
+    """The output checksums the candidate's last timed run reported (sandbox/timed.py sets them)."""
 
 
 class Refused(Exception):
@@ -24,7 +46,7 @@ class Refused(Exception):
         self.kind, self.reason, self.reply = trial_kind, reason, reply
 
 
-def elements(lp: "LoadedProblem", i: int) -> int:
+def elements(lp: Loaded, i: int) -> int:
     return max(1, sum(t.numel() for t in lp.reference[i]["outputs"] if t is not None))
 
 
@@ -32,7 +54,7 @@ def _abs_sum(leaves: list) -> float:
     return float(sum(timing.finite_abs(t).double().sum() for t in leaves if t is not None and t.numel()))
 
 
-def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int,
+def check(r: CheckingRunner, lp: Loaded, i: int, s: int, j: int,
           sums: list[float] | None = None) -> Callable[[], None]:
     """Repetition `j` of the last candidate run (drawn before it, never told to its worker)
     against the original's answer, kept by the reference worker from its run on the same inputs,
@@ -62,7 +84,7 @@ def check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int,
     return run
 
 
-def _answer(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> list:
+def _answer(r: CheckingRunner, lp: Loaded, i: int, s: int, j: int) -> list:
     """The original's output on repetition `j`'s inputs: the one the reference worker kept from
     its timed run, or (dropped there: another runner's timings on a lane without the lock came
     between) computed again on the same draw."""
@@ -76,7 +98,7 @@ def _answer(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int) -> li
     return want.tensors["fresh"][0]
 
 
-def compare(lp: "LoadedProblem", i: int, j: int, s: int, got: Any, want: Any, claimed: float | None) -> None:
+def compare(lp: Loaded, i: int, j: int, s: int, got: Any, want: Any, claimed: float | None) -> None:
     p = lp.problem
     seen = float(timing.checksum(got, timing.checksum_period(elements(lp, i), s, "cpu")))
     # The slack for cancellation, a float64 pass over the outputs, is only summed when it is needed.

@@ -35,15 +35,37 @@ import math
 import random
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
-from sandbox.spot import Refused, check as _spot_check, elements as _elements
+from sandbox.spot import CheckingRunner, Loaded, Refused, check as _spot_check, elements as _elements
 from tools import timing
 from tools.trial import Candidate, Status, Trial, WorkloadTiming
 
 if TYPE_CHECKING:
     from sandbox.client import Reply
-    from sandbox.runner import LoadedProblem, TrialRunner
+
+
+class TimingRunner(CheckingRunner, Protocol):
+    """What timing needs of the runner whose trial it times (sandbox/runner.py's TrialRunner is
+    one): besides a spot check's needs, the device's lock and quiet, and the trial's making."""
+    device_lock: ContextManager
+    host_quiet: Any
+    """Shared by the runners under one device lock: no judging in the tuner beside a timing."""
+
+    def step(self, what: str) -> None:
+        """Say what the trial does now (the progress line's 'now:')."""
+
+    def quiet(self) -> ContextManager:
+        """Every sibling runner's worker stopped while the block runs."""
+
+    def trial_fields(self, c: Candidate, lp: Loaded) -> dict[str, Any]:
+        """The fields every trial of `c` on this runner carries (device, versions, jail...)."""
+
+    def failed(self, c: Candidate, lp: Loaded, reply: "Reply", **extra: Any) -> Trial:
+        """The trial of a worker's failure."""
+
+    def suspicious(self, c: Candidate, lp: Loaded, reason: str, **extra: Any) -> Trial:
+        """A suspicious trial (its worker is not trusted with another candidate)."""
 
 WARMUP_REPS = 2
 MIN_REPS = 2
@@ -82,7 +104,7 @@ A trial pays for half the earlier rounds' checks (on the H200 the checks were on
 full-size trial's timing: 4.4-5.2 s of 5.3-7.3 s)."""
 
 
-def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dict) -> Trial:
+def time_trial(r: TimingRunner, c: Candidate, lp: Loaded, numbers: dict) -> Trial:
     lim, flags, retimed = r.limits, [], []
     try:
         timings = measure(r, lp, lim.budget_ms, retimed)
@@ -94,10 +116,10 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
             flags.append(f"speedup above {lim.retime_above:g}x: re-timed, {speedup:.2f}x")
     except Refused as e:
         if e.reply is not None:
-            return r._fail(c, lp, e.reply, **numbers)
+            return r.failed(c, lp, e.reply, **numbers)
         if e.kind == "suspicious":
-            return r._suspicious(c, lp, e.reason, **numbers)
-        return Trial(**r._base(c, lp), status=Status(e.kind), reason=e.reason, **numbers)
+            return r.suspicious(c, lp, e.reason, **numbers)
+        return Trial(**r.trial_fields(c, lp), status=Status(e.kind), reason=e.reason, **numbers)
     band = weighted_band(lp.problem, timings)
     if retimed:
         flags.append(f"timed again where its band was wider than ±{WIDE_BAND:.0%}, the quieter kept: "
@@ -110,13 +132,13 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
                      "(host work in its calls, work off the timed stream, or the harness's jitter around "
                      "small calls), so it was timed by that clock")
     if floor_hit:
-        return r._suspicious(c, lp, f"faster than the roofline floor on {floor_hit}: impossible, so not trusted",
+        return r.suspicious(c, lp, f"faster than the roofline floor on {floor_hit}: impossible, so not trusted",
                              timings=timings, speedup=speedup, noise_band=band, flags=flags, **numbers)
-    return Trial(**r._base(c, lp), status=Status.ok, reason="within tolerance", timings=timings, speedup=speedup,
+    return Trial(**r.trial_fields(c, lp), status=Status.ok, reason="within tolerance", timings=timings, speedup=speedup,
                  noise_band=band, flags=flags, **numbers)
 
 
-def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float, retimed: list[str]) -> list[WorkloadTiming]:
+def measure(r: TimingRunner, lp: Loaded, budget_ms: float, retimed: list[str]) -> list[WorkloadTiming]:
     """Each workload timed; `retimed` gets a line for each one timed twice for a wide band."""
     out = []
     for i, w in enumerate(lp.problem.workloads):
@@ -151,7 +173,7 @@ def measure(r: "TrialRunner", lp: "LoadedProblem", budget_ms: float, retimed: li
 
 
 @contextlib.contextmanager
-def _phase(r: "TrialRunner", name: str):
+def _phase(r: TimingRunner, name: str):
     """The block's seconds added to the trial's phase `name` (bench/trial_cost.py prints them)."""
     t0 = time.monotonic()
     try:
@@ -175,7 +197,7 @@ def _batch(worker: Any, req: dict, timeout: float, frozen: Any = None) -> tuple[
     return reply, wall_ms
 
 
-def _note_harness(r: "TrialRunner", reply: "Reply") -> None:
+def _note_harness(r: TimingRunner, reply: "Reply") -> None:
     """The reference worker's own account of its harness work (trusted: it runs no candidate)."""
     for k in ("draw", "copy"):
         r.phases[f"time.{k}"] = r.phases.get(f"time.{k}", 0.0) + float(reply.header.get(f"{k}_ms") or 0.0) / 1e3
@@ -204,7 +226,7 @@ def _lead_ms(reply: "Reply", reps: int) -> float:
     return min(MAX_LEAD_MS, 1.5 * reps * max(host - dev, 0.0) + 2.0)
 
 
-def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_ms: float,
+def _workload(r: TimingRunner, lp: Loaded, i: int, name: str, budget_ms: float,
               checks: list[Callable[[], None]]) -> WorkloadTiming:
     """`checks`: each spot check's comparison, to run once the device lock is let go."""
     from sandbox.seeds import seed
@@ -284,7 +306,7 @@ def _workload(r: "TrialRunner", lp: "LoadedProblem", i: int, name: str, budget_m
                           baseline_runs=medians, candidate_runs=cand_medians, controls=aa)
 
 
-def _fetch_and_check(r: "TrialRunner", lp: "LoadedProblem", i: int, s: int, j: int, sums: list[float]) -> None:
+def _fetch_and_check(r: TimingRunner, lp: Loaded, i: int, s: int, j: int, sums: list[float]) -> None:
     _spot_check(r, lp, i, s, j, sums)()
 
 
@@ -314,7 +336,7 @@ def ab_band(base_medians: list[float], cand_medians: list[float], controls: list
     return max(parts["original"], parts["candidate"], spread, cross + spread if cross else 0.0)
 
 
-def _candidate_run(r: "TrialRunner", lp: "LoadedProblem", req: dict, original: Callable[[float], tuple],
+def _candidate_run(r: TimingRunner, lp: Loaded, req: dict, original: Callable[[float], tuple],
                    lead: float, cycles: float) -> tuple[list[float], float, float, "Reply"]:
     """One timed run of the original (`original(lead)`: its reply and wall time), then of the
     candidate on the same inputs, bounded by the tuner's clock: the original's run (trusted)
@@ -393,7 +415,7 @@ def _drained(rc: "Reply", rb: "Reply") -> bool:
     return statistics.median(gc) > 1.5 * statistics.median(ge) + 0.005
 
 
-def _tamper(r: "TrialRunner") -> None:
+def _tamper(r: TimingRunner) -> None:
     reply = r.worker.request({"op": "integrity"}, timeout=r.limits.run_s)
     if not reply.ok:
         raise Refused("crash", reply.error, reply)
@@ -402,7 +424,7 @@ def _tamper(r: "TrialRunner") -> None:
                       + ", ".join(reply.header["tampered"][:5]))
 
 
-def _below_floor(lp: "LoadedProblem", timings: list[WorkloadTiming]) -> list[str]:
+def _below_floor(lp: Loaded, timings: list[WorkloadTiming]) -> list[str]:
     return [t.workload for t in timings if t.timing_kind == "cuda"
             and t.candidate_ms < 0.9 * lp.problem.floor_ms.get(t.workload, 0.0)]
 

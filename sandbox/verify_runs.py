@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Any
 
-from sandbox import integrity
 from sandbox import worker_tensors as T
 
 LATE_THREAD_WAIT_S = 0.5
@@ -126,7 +125,7 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
     changed = _module_changes(torch, p["region"], module)
     changed += [f"(while perturbed) {n_}" for n_ in moved]
     header = {"meta": meta, "params_changed": changed, "mutated": mutated, "late_writes": late,
-              "tampered": integrity.changed(w.snapshot, w.classes, list(integrity.COMPUTE_OPS))}
+              "tampered": w.tampered()}
     w.verified = (header, runs, post_inputs)
     return {}, None
 

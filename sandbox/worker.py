@@ -190,8 +190,12 @@ class Worker:
         return {**got, "timing_kind": "cuda" if self.clock else "cpu", "upload_ms": upload_ms,
                 "cycles_per_ms": self.clock.cycles_per_ms if self.clock else 0.0}, None
 
+    def tampered(self) -> list[str]:
+        """What candidate code changed since the snapshot (sandbox/integrity.py), by name."""
+        return integrity.changed(self.snapshot, self.classes, list(COMPUTE_OPS))
+
     def op_integrity(self, req: dict, _: Any) -> tuple[dict, Any]:
-        return {"tampered": integrity.changed(self.snapshot, self.classes, list(COMPUTE_OPS))}, None
+        return {"tampered": self.tampered()}, None
 
     # -- reference role ------------------------------------------------------------------
     def op_refs(self, req: dict, _: Any) -> tuple[dict, Any]:
@@ -243,7 +247,7 @@ class Worker:
                 self._call(lambda: fwd(module, *args, **kwargs), "warm")
         self._sync()
         return {"ok": True, "compile_s": time.perf_counter() - t0,
-                "tampered": integrity.changed(self.snapshot, self.classes, list(COMPUTE_OPS))}, None
+                "tampered": self.tampered()}, None
 
     def op_compiled(self, req: dict, _: Any) -> tuple[dict, Any]:
         """How the loaded candidate really runs under torch.compile, if it uses it: dynamo's

@@ -189,17 +189,18 @@ def write_integration(run: Path) -> None:
 def test_an_unchanged_model_reads_no_change_and_no_winner_is_crowned():
     """The H200's A/A of the untouched example (small batch 1.11x inside a ±36.7% band) once
     read "nightshift is fastest, 1.11x ahead of eager" in report.md."""
-    from types import SimpleNamespace
-
-    from agent.report.markdown import _md_integration
     from agent.report.numbers import standings
+    from agent.report.view import end_to_end
     from tools.e2e import IntegrationResult, WorkloadResult
     quiet = WorkloadResult(name="small_batch", eager_ms=2.591, tuned_ms=2.324, speedup=1.115, noise_band=0.367,
                            verdict="no change", tolerance="abs 0.1", error=0.0)
     res = IntegrationResult(device="cuda:0", timing_kind="cuda", noise_band=0.367, workloads=[quiet])
-    md = "\n".join(_md_integration(SimpleNamespace(integration=res, integration_error=None)))
-    assert "no change (inside the A/A noise band of ±36.7%)" in md and "1.11x (no change, band ±36.7%)" in md
-    assert "nightshift is fastest" not in md and "nightshift and eager tie within the noise band (±36.7%)" in md
+    said = end_to_end(res)  # what report.md and report.html both say (test_review holds them to it)
+    (row,) = said.workloads
+    assert "no change (inside the A/A noise band of ±36.7%)" in said.headline
+    assert row.speedup == "1.11x (no change, band ±36.7%)"
+    assert row.fastest == "nightshift and eager tie within the noise band (±36.7%)"
+    assert "nightshift is fastest" not in repr(said)
     # Beyond the band the sentence still names the winner, and a baseline inside the band ties.
     fast = quiet.model_copy(update={"tuned_ms": 1.0, "speedup": 2.591, "noise_band": 0.05, "verdict": "faster",
                                     "baselines": {"torch.compile": 1.03, "reduce-overhead": 1.5}})
@@ -211,18 +212,17 @@ def test_an_unchanged_model_reads_no_change_and_no_winner_is_crowned():
 
 
 def test_a_compile_way_that_ran_eager_is_named_so_and_our_best_way_meets_the_best_without_us():
-    from types import SimpleNamespace
-
-    from agent.report.markdown import _md_integration
     from agent.report.numbers import standings
+    from agent.report.view import end_to_end
     from tools.e2e import IntegrationResult, WorkloadResult
     w = WorkloadResult(name="prefill", eager_ms=4.0, tuned_ms=2.9, speedup=1.38, noise_band=0.02, verdict="faster",
                        baselines={"torch.compile (ran eager)": 4.0, "reduce-overhead": 2.8,
                                   "nightshift + reduce-overhead": 2.5})
     res = IntegrationResult(device="cuda:0", timing_kind="cuda", noise_band=0.02, workloads=[w],
                             baseline_fallbacks={"torch.compile (ran eager)": "fell back to eager: no compiled code ran"})
-    md = "\n".join(_md_integration(SimpleNamespace(integration=res, integration_error=None)))
-    assert "torch.compile (ran eager): torch.compile fell back to eager: no compiled code ran" in md
+    notes = end_to_end(res).notes
+    assert "torch.compile (ran eager): torch.compile fell back to eager: no compiled code ran; its time is not the " \
+        "compiler's." in notes
     assert standings(w)[1] == "nightshift + reduce-overhead is fastest, 1.12x ahead of reduce-overhead"
     slower = w.model_copy(update={"baselines": {"reduce-overhead": 2.0, "nightshift + reduce-overhead": 2.5}})
     assert standings(slower)[1] == "reduce-overhead is fastest (2 ms); nightshift + reduce-overhead is 1.25x slower than it"
@@ -284,7 +284,8 @@ def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
 
     # The plots: inline SVG with lines and axes.
     progress = dom[dom.index('id="progress"'):dom.index('id="regions"')]
-    assert progress.count("<svg") == 3 and "<polyline" in progress and "trials finished" in progress
+    assert progress.count("<svg") == 3 and "trials finished" in progress
+    assert re.search(r'<g id="progress-trials-series-0">\s*<path d="M [\d.]+ [\d.]+\s*L', progress)  # RMSNorm's line
     assert "Best speedup per region (CPU timings)" in progress
 
     # The winner's diff, highlighted: added/removed lines, inline-styled spans from pygments.
@@ -307,7 +308,7 @@ def test_report_on_a_run_with_no_trials_yet(tuned, tmp_path):
     assert md == run_dir / "report.md" and (run_dir / "report.html").is_file()
     assert not (run_dir / "trials.sqlite").exists()
     text = md.read_text()
-    assert "· 0 trials ·" in text and "| RMSNorm | 100% | 0 | 0 | - |" in text
+    assert "- **0** trials run (0 passed)" in text and "| RMSNorm | 100% | 0 | 0 | - |" in text
     assert "No stop recorded" in text
     assert "no kept candidate yet" in (run_dir / "report-progress-trials.svg").read_text()
     assert report.write_html(RunFolder.open(run_dir)) == run_dir / "report.html"
@@ -324,14 +325,15 @@ def test_an_aa_reading_beyond_its_band_is_named_the_measurements_offset_not_a_ch
     from tools.e2e import AcceptedRegion, IntegrationResult, WorkloadResult
     row = WorkloadResult(name="default", eager_ms=1.0, tuned_ms=1.12, speedup=0.89, noise_band=0.04, verdict="slower")
     aa = IntegrationResult(device="cpu", workloads=[row], noise_band=0.04)
-    assert "Nothing was applied" in e2e_headline(aa) and "offset" in e2e_headline(aa)
+    speedup, headline = e2e_headline(aa)
+    assert speedup == "0.89x" and "Nothing was applied" in headline and "offset" in headline
     console = Console(width=200, record=True)
     console.print(render(aa))
     printed = console.export_text()
     assert "0.89x (A/A)" in printed and "the measurement's own cross-process offset" in printed, printed
     applied = aa.model_copy(update={"accepted": [AcceptedRegion(region="R", candidate_hash="h", candidate_path="c.py",
                                                                  region_speedup=2.0, instances=1)]})
-    assert "Nothing was applied" not in e2e_headline(applied)
+    assert "Nothing was applied" not in e2e_headline(applied)[1]
     console = Console(width=200, record=True)
     console.print(render(applied))
     assert "(A/A)" not in console.export_text()

@@ -1,7 +1,8 @@
 """The morning review tells the truth: the report (what won, its diff, what was rejected, in
-numbers a person reads) and `agent apply` (a command that works as printed, a patch never lost,
+numbers a person reads; report.md and report.html saying the same things) and `agent apply` (a command that works as printed, a patch never lost,
 no slower winner applied unasked, a patched model that runs on a machine without a GPU)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -13,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from html.parser import HTMLParser
+
 from agent import report
 from agent.apply import apply_run
+from agent.report.view import Chart, Diff
 from tests.test_apply import EXAMPLE, ENV, git, make_run
-from tools.e2e import DroppedCandidate, IntegrationResult
+from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult, WorkloadResult
 from tools.runfolder import RunFolder
 from tools.trial import Candidate, Status, Trial, WorkloadTiming
 
@@ -106,6 +110,105 @@ def test_status_and_report_say_a_planner_stopped(tiny):
     store.close()
     text = report.write(tiny).read_text()
     assert "**Planner stopped:** anthropic planner stopped: anthropic m: HTTP 401: invalid x-api-key" in text
+
+
+def facts(node) -> list[str]:
+    """Every string the view states (fields marked layout place or draw, they state nothing)."""
+    if isinstance(node, str):
+        return [node] if node else []
+    if isinstance(node, list):
+        return [f for item in node for f in facts(item)]
+    if dataclasses.is_dataclass(node):
+        return [f for fld in dataclasses.fields(node) if not fld.metadata.get("layout")
+                for f in facts(getattr(node, fld.name))]
+    return []
+
+
+def tagged(node, path: str, where: dict[str, str]):
+    """The view with every fact replaced by a token that names its field, so that each template
+    shows which fields it states. A diff keeps its lines and a chart its title: the HTML draws
+    those from the diff's sources and inside the chart's SVG (the check on the real view sees them)."""
+    if isinstance(node, str):
+        token = f"⟦{len(where)}⟧"
+        where[token] = path
+        return token
+    if isinstance(node, list):
+        return [tagged(item, f"{path}[{i}]", where) for i, item in enumerate(node)]
+    if dataclasses.is_dataclass(node) and not isinstance(node, (Diff, Chart)):
+        return dataclasses.replace(node, **{fld.name: tagged(getattr(node, fld.name), f"{path}.{fld.name}", where)
+                                            for fld in dataclasses.fields(node) if not fld.metadata.get("layout")})
+    return node
+
+
+class PageText(HTMLParser):
+    """What a reader of report.html sees as text (entities decoded, the stylesheet left out), and
+    its section headings."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.text, self.h2, self._skip, self._in_h2 = [], [], False, False
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        self._skip, self._in_h2 = tag == "style", tag == "h2"
+
+    def handle_endtag(self, tag):
+        self._skip = self._in_h2 = False
+
+    def handle_data(self, data):
+        if not self._skip:
+            self.text.append(data)
+        if self._in_h2:
+            self.h2.append(data)
+
+
+def test_report_md_and_html_say_the_same_things(tiny):
+    """Both files render one view: every number, verdict and sentence in it is in each, under the
+    same sections, whatever the run holds (integration over two workloads with a failed and a
+    fallen-back baseline, a dropped candidate, rejections past the listed few, a stopped planner)."""
+    best = record(tiny, RIGHT, Status.ok, 1.4, params={"tune": {"BLOCK_N": 1024}})
+    for i in range(5):
+        record(tiny, RIGHT + f"# wrong {i}\n", Status.wrong, reason=f"error 0.{i}4 > tolerance abs 0.0001")
+    store = tiny.store()
+    store.event("planner_stopped", reason="anthropic planner stopped: HTTP 401: invalid x-api-key")
+    store.close()
+    rows = [WorkloadResult(name="decode", weight=3, eager_ms=2.0, tuned_ms=1.6, speedup=1.25, error=2e-6,
+                           tolerance="abs 0.0001", noise_band=0.05, verdict="faster",
+                           baselines={"torch.compile": 1.5, "reduce-overhead": None}),
+            WorkloadResult(name="prefill", weight=1, eager_ms=9.0, tuned_ms=8.9, speedup=1.01, error=0.5,
+                           tolerance="abs 0.0001", noise_band=0.05, verdict="no change",
+                           baselines={"torch.compile": 8.0, "reduce-overhead": 7.0})]
+    IntegrationResult(device="cpu", device_name="host CPU", generation="cpu", timing_kind="cpu", noise_band=0.05,
+                      workloads=rows, notes=["a note from integration"],
+                      accepted=[AcceptedRegion(region="RMSNorm", candidate_hash=best, candidate_path="x.py",
+                                               region_speedup=1.4)],
+                      dropped=[DroppedCandidate(region="Other", candidate_hash="f" * 16, reason="slower end to end")],
+                      baseline_errors={"reduce-overhead": "needs CUDA graphs"},
+                      baseline_fallbacks={"torch.compile": "fell back to eager"}).save(tiny.path)
+
+    view = report.build(report.collect(tiny))
+    md, page = report.render_md(view), PageText(report.render_html(view))
+    said = facts(view)
+    # The walk reaches every part of the view: summary, integration, regions, diff, rejections.
+    for fact in ("1.25x (faster, band ±5.0%)", "failed", "Weighted total over the workloads (sum of weight x time), "
+                 "CPU ms", "Dropped Other ffffffffffffffff: slower end to end.", "anthropic planner stopped: HTTP "
+                 "401: invalid x-api-key", "BLOCK_N=1024", "def forward(module, x):", "the last 3 of 5",
+                 "error 0.44 > tolerance abs 0.0001", "0.5 / abs 0.0001 (OUTSIDE)", best):
+        assert fact in said, fact
+    assert [f for f in said if f not in md] == []
+    assert [f for f in said if f not in "".join(page.text)] == []
+    assert re.findall(r"^## (.+)$", md, re.M) == page.h2 == ["Summary", "Search progress", "Regions",
+                                                           "Rejected candidates by reason"]
+
+    # Field by field (a short fact such as "default" could be found elsewhere on the page): each
+    # field one template states, the other states too. Unstated in both: what only a run without
+    # integration, or without the winner's source, would say.
+    where: dict[str, str] = {}
+    view = tagged(view, "view", where)
+    md_said = set(re.findall(r"⟦\d+⟧", report.render_md(view)))
+    html_said = set(re.findall(r"⟦\d+⟧", report.render_html(view)))
+    assert sorted(where[t] for t in md_said ^ html_said) == []
+    assert sorted(where[t] for t in set(where) - md_said) == ["view.e2e_missing", "view.regions[0].winner.looked_at"]
 
 
 # -- agent apply -----------------------------------------------------------------------------

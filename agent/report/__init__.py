@@ -8,9 +8,10 @@ speedup per generation, error against the tolerance, who found it, its diff agai
 original forward) and what was rejected and why. Built from the store opened read-only, so it
 can be rebuilt mid-run.
 
-    data.py      what the report shows, read from the run folder (`collect`)
-    numbers.py   formatting shared by both renderings
-    markdown.py  report.md        html.py  report.html        plots.py  the SVG charts
+    data.py      what the run holds, read from its folder (`collect`)
+    view.py      what the report says, as text, built once (`build`)
+    render.py    report.md and report.html from that one view, through prompts/report/*.j2
+    numbers.py   formatting        plots.py  the charts (matplotlib's SVG)
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import os
 from pathlib import Path
 
 from agent.report.data import ReportData, collect
-from agent.report.html import render_html
-from agent.report.markdown import render_md
-from agent.report.plots import plots
+from agent.report.render import render_html, render_md
+from agent.report.view import ReportView, build
 from tools.runfolder import RunFolder
 
-__all__ = ["ReportData", "collect", "render_html", "render_md", "write", "write_html"]
+__all__ = ["ReportData", "ReportView", "build", "collect", "render_html", "render_md", "write", "write_html"]
 
 
 def _write(path: Path, text: str) -> Path:
@@ -35,14 +35,13 @@ def _write(path: Path, text: str) -> Path:
 
 
 def write_html(run: RunFolder, data: ReportData | None = None) -> Path:
-    return _write(run.path / "report.html", render_html(data or collect(run)))
+    return _write(run.path / "report.html", render_html(build(data or collect(run))))
 
 
 def write(run: RunFolder) -> Path:
-    """report.md (with its plots as SVG files beside it) and report.html; returns report.md."""
-    data = collect(run)
-    images = {}
-    for name, svg in plots(data).items():
-        images[name] = _write(run.path / f"report-{name}.svg", svg).name
-    write_html(run, data)
-    return _write(run.path / "report.md", render_md(data, images))
+    """report.md (with its charts as SVG files beside it) and report.html; returns report.md."""
+    view = build(collect(run))
+    for chart in view.charts:
+        _write(run.path / chart.file, chart.svg)
+    _write(run.path / "report.html", render_html(view))
+    return _write(run.path / "report.md", render_md(view))

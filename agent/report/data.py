@@ -1,5 +1,5 @@
-"""What the report shows, read once from the run folder: the markdown (agent/report/markdown.py)
-and the HTML (agent/report/html.py) render the same `ReportData`.
+"""What the report is about, read once from the run folder: agent/report/view.py turns this
+`ReportData` into the one view that report.md and report.html both render.
 
 The store is opened read-only, so the report can be rebuilt mid-run. A winner's source is
 shown only when a file with exactly its content hash is found; otherwise the report says the

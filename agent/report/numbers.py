@@ -48,17 +48,18 @@ def e2e_verdict(result: IntegrationResult) -> str:
     return verdict(sp, result.noise_band or 0.0) if sp else ""
 
 
-def e2e_headline(result: IntegrationResult) -> str:
-    """The weighted end-to-end speedup, and `no change` when it lies inside the weighted band."""
+def e2e_headline(result: IntegrationResult) -> tuple[str, str]:
+    """The weighted end-to-end speedup ("" when none was measured) and the sentence that follows
+    it, which says `no change` when the speedup lies inside the weighted band."""
     sp, band, said = e2e_speedup(result), result.noise_band or 0.0, e2e_verdict(result)
     if not sp:
-        return "no end-to-end speedup measured."
-    head = (f"**{sp:.2f}x** end to end, weighted over workloads: {said} "
+        return "", "no end-to-end speedup measured."
+    head = (f"end to end, weighted over workloads: {said} "
             f"({'inside' if said == 'no change' else 'beyond'} the A/A noise band of ±{band:.1%}).")
     if not result.accepted and said != "no change":
         head += (" Nothing was applied: this is the untouched model against itself in another worker, the "
                  "measurement's own cross-process offset, not a change.")
-    return head
+    return f"{sp:.2f}x", head
 
 
 def standings(w) -> tuple[list[tuple[str, float | None]], str]:

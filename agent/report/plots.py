@@ -1,219 +1,156 @@
-"""Small SVG charts for the report: no plotting library, no fonts, no scripts, just elements
-that any browser (and GitHub's markdown preview) draws. Every function returns a complete
-`<svg>` document as a string: well-formed XML, axes with ticks and labels, a readable note
-instead of a blank plot when there is nothing to draw yet."""
+"""The report's charts, drawn by matplotlib as SVG documents that report.html inlines and report.md
+links beside it. matplotlib is imported only here, when a report is written: figures are made
+without pyplot and saved by the SVG backend, so nothing needs a display.
+
+Text stays text (`svg.fonttype: none`), so a browser draws it and a test can read it. Each
+chart's element ids carry its name, so three charts inlined in one page never share an id."""
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from html import escape
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from agent.report.data import ReportData
 
 PALETTE = ["#1f6feb", "#d1242f", "#1a7f37", "#9a6700", "#8250df", "#bf3989", "#0a7b83", "#57606a"]
-FONT = "-apple-system, 'Segoe UI', Helvetica, Arial, sans-serif"
-GOOD, BAD, INK, GRID, MUTED = "#2da44e", "#cf222e", "#24292f", "#d0d7de", "#57606a"
+GOOD, BAD, INK, MUTED = "#2da44e", "#cf222e", "#24292f", "#57606a"
+STYLE = {"svg.fonttype": "none", "svg.hashsalt": "nightshift", "font.size": 9, "text.parse_math": False,
+         "axes.axisbelow": True, "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "axes.grid.axis": "y",
+         "grid.color": "#d0d7de", "axes.edgecolor": INK, "text.color": INK, "axes.labelcolor": INK,
+         "xtick.color": MUTED, "ytick.color": MUTED}
+NO_METADATA = {"Creator": None, "Date": None, "Format": None, "Type": None}
 
 Point = tuple[float, float]
-
-
-def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values covering [lo, hi]: the first is <= lo, the last >= hi, steps of
-    1, 2, 2.5 or 5 times a power of ten."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        lo, hi = 0.0, 1.0
-    lo, hi = min(lo, hi), max(lo, hi)
-    if hi - lo < 1e-12 * max(1.0, abs(hi)):
-        pad = abs(hi) * 0.1 or 1.0
-        lo, hi = lo - pad, hi + pad
-    raw = (hi - lo) / max(1, n)
-    mag = 10.0 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
-    first = math.floor(lo / step + 1e-9) * step
-    ticks = [first]
-    while ticks[-1] < hi - step * 1e-9:
-        ticks.append(first + len(ticks) * step)
-    digits = max(0, 12 - math.floor(math.log10(step)))
-    return [0.0 if abs(t) < step * 1e-9 else round(t, digits) for t in ticks]
-
-
-def fmt_tick(v: float, ticks: Sequence[float]) -> str:
-    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else abs(v) or 1.0
-    if max(abs(t) for t in ticks) >= 1e5 or step < 1e-4:
-        return f"{v:.3g}"
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
-    if abs(step * 10 ** decimals - round(step * 10 ** decimals)) > 1e-6:
-        decimals += 1  # 2.5, 0.25, ...
-    return f"{v:.{decimals}f}"
-
-
-class _Frame:
-    """Maps data to pixels inside the plot area and draws the axes, grid and labels."""
-
-    def __init__(self, width: int, height: int, xr: Sequence[float], yr: Sequence[float],
-                 top: int, left: int = 64, right: int = 20, bottom: int = 52):
-        self.w, self.h, self.top, self.left, self.right, self.bottom = width, height, top, left, right, bottom
-        self.xt, self.yt = nice_ticks(*xr), nice_ticks(*yr)
-
-    def x(self, v: float) -> float:
-        lo, hi = self.xt[0], self.xt[-1]
-        return round(self.left + (v - lo) / (hi - lo) * (self.w - self.left - self.right), 2)
-
-    def y(self, v: float) -> float:
-        lo, hi = self.yt[0], self.yt[-1]
-        return round(self.h - self.bottom - (v - lo) / (hi - lo) * (self.h - self.top - self.bottom), 2)
-
-    def axes(self, x_label: str, y_label: str, x_ticks: bool = True) -> list[str]:
-        x0, x1, y0, y1 = self.left, self.w - self.right, self.h - self.bottom, self.top
-        out = []
-        for t in self.yt:
-            y = self.y(t)
-            out.append(f'<line x1="{x0}" y1="{y}" x2="{x1}" y2="{y}" stroke="{GRID}" stroke-width="1"/>')
-            out.append(f'<text x="{x0 - 6}" y="{y + 4}" text-anchor="end" fill="{MUTED}">{fmt_tick(t, self.yt)}</text>')
-        if x_ticks:
-            for t in self.xt:
-                x = self.x(t)
-                out.append(f'<line x1="{x}" y1="{y0}" x2="{x}" y2="{y0 + 5}" stroke="{INK}" stroke-width="1"/>')
-                out.append(f'<text x="{x}" y="{y0 + 18}" text-anchor="middle" fill="{MUTED}">'
-                           f'{fmt_tick(t, self.xt)}</text>')
-        out.append(f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}" stroke="{INK}" stroke-width="1.2"/>')
-        out.append(f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}" stroke="{INK}" stroke-width="1.2"/>')
-        out.append(f'<text x="{(x0 + x1) / 2}" y="{self.h - 10}" text-anchor="middle" fill="{INK}">{escape(x_label)}</text>')
-        cy = (y0 + y1) / 2
-        out.append(f'<text x="16" y="{cy}" text-anchor="middle" fill="{INK}" '
-                   f'transform="rotate(-90 16 {cy})">{escape(y_label)}</text>')
-        return out
-
-    def ref_line(self, value: float | None, label: str) -> list[str]:
-        if value is not None and value > self.yt[-1]:
-            return [f'<text x="{self.w - self.right - 4}" y="{self.top + 12}" text-anchor="end" fill="{MUTED}">'
-                    f'{escape(label)} is above this range</text>']
-        if value is None or not (self.yt[0] <= value <= self.yt[-1]):
-            return []
-        y = self.y(value)
-        return [f'<line x1="{self.left}" y1="{y}" x2="{self.w - self.right}" y2="{y}" stroke="{INK}" '
-                f'stroke-width="1" stroke-dasharray="5 4"/>',
-                f'<text x="{self.w - self.right - 4}" y="{y - 5}" text-anchor="end" fill="{INK}">{escape(label)}</text>']
-
-    def note(self, text: str) -> str:
-        return (f'<text x="{(self.left + self.w - self.right) / 2}" y="{(self.top + self.h - self.bottom) / 2}" '
-                f'text-anchor="middle" fill="{MUTED}" font-size="14">{escape(text)}</text>')
-
-
-_LONG_COORDINATE = re.compile(r'(?<=[a-z]=")(-?\d+\.\d{3,})(?=")')
-
-
-def _svg(width: int, height: int, title: str, body: list[str]) -> str:
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
-            f'height="{height}" role="img" aria-label="{escape(title)}" font-family="{escape(FONT)}" font-size="12">')
-    text = "\n".join([head, f"<title>{escape(title)}</title>",
-                      f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
-                      f'<text x="{width / 2}" y="20" text-anchor="middle" fill="{INK}" font-size="14" '
-                      f'font-weight="600">{escape(title)}</text>', *body, "</svg>"]) + "\n"
-    # Coordinates to two decimals: 129.32999999999998 is float noise, not precision.
-    return _LONG_COORDINATE.sub(lambda m: f"{float(m.group(1)):.2f}", text)
-
-
-def _legend(names: Sequence[str], width: int, left: int) -> tuple[list[str], int]:
-    """Legend entries laid out in rows under the title; returns the elements and the height used."""
-    out, x, y = [], left, 40
-    for i, name in enumerate(names):
-        w = 30 + 7 * len(name)
-        if x + w > width - 10 and x > left:
-            x, y = left, y + 18
-        color = PALETTE[i % len(PALETTE)]
-        out.append(f'<line x1="{x}" y1="{y - 4}" x2="{x + 18}" y2="{y - 4}" stroke="{color}" stroke-width="3"/>')
-        out.append(f'<text x="{x + 24}" y="{y}" fill="{INK}">{escape(name)}</text>')
-        x += w + 14
-    return out, (y - 40 + 18 if names else 0)
 
 
 def _finite(points: Sequence[Point]) -> list[Point]:
     return sorted((float(x), float(y)) for x, y in points if math.isfinite(x) and math.isfinite(y))
 
 
-def line_chart(series: Mapping[str, Sequence[Point]], *, title: str, x_label: str, y_label: str,
-               step: bool = True, x_end: float | None = None, ref_y: float | None = None,
-               ref_label: str = "", x_min: float | None = 0.0, y_min: float | None = 0.0,
-               width: int = 500, height: int = 320, empty: str = "no data yet") -> str:
-    """One polyline per series. `step`: a best-so-far curve, flat from each point to the next
-    (and on to `x_end`, the end of the search). Points are marked; non-finite ones dropped."""
+def _figure(width: float, height: float) -> "Figure":
+    from matplotlib.figure import Figure
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _y_range(ys: list[float], ref_y: float | None) -> tuple[float, float, bool]:
+    """(bottom, top, reference above it): the reference line is in range unless it would squash
+    data far below it to the floor (then the top leaves room for the note that says so)."""
+    above = ref_y is not None and bool(ys) and max(ys) < ref_y / 4
+    ys = ys + ([ref_y] if ref_y is not None and not above else []) or [1.0]
+    top = max(ys) * (1.2 if above else 1.05) if max(ys) > 0 else 1.0
+    return min(0.0, *ys), top, above
+
+
+def _reference(ax, ref_y: float | None, label: str, above: bool) -> None:
+    if above:
+        ax.text(0.99, 0.97, f"{label} is above this range", transform=ax.transAxes, ha="right", va="top",
+                color=MUTED)
+    elif ref_y is not None:
+        ax.axhline(ref_y, color=INK, linewidth=1, linestyle=(0, (5, 4)))
+        ax.text(0.99, ref_y, label, transform=ax.get_yaxis_transform(), ha="right", va="bottom")
+
+
+def _note(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color=MUTED, fontsize=11)
+
+
+def line_figure(series: Mapping[str, Sequence[Point]], *, title: str, x_label: str, y_label: str,
+                x_end: float | None = None, ref_y: float | None = None, ref_label: str = "",
+                empty: str = "no data yet") -> "Figure":
+    """A best-so-far curve per series: flat from each point to the next and on to `x_end` (the
+    end of the search), points marked (the last 200), non-finite ones dropped."""
     data = {name: _finite(pts) for name, pts in series.items()}
     xs = [x for pts in data.values() for x, _ in pts] + ([x_end] if x_end is not None and math.isfinite(x_end) else [])
-    ys = [y for pts in data.values() for _, y in pts]
-    if ref_y is not None and (not ys or max(ys) >= ref_y / 4):  # far below the line: show the data's shape
-        ys.append(ref_y)
-    legend, legend_h = _legend(list(data), width, 64)
-    if not xs:
-        xs = [0.0, 1.0]
-    if not ys:
-        ys = [0.0, 1.0]
-    xr = (min(xs + ([x_min] if x_min is not None else [])), max(xs))
-    yr = (min(ys + ([y_min] if y_min is not None else [])), max(ys) * 1.05 if max(ys) > 0 else max(ys))
-    f = _Frame(width, height, xr, yr, top=36 + legend_h)
-    body = f.axes(x_label, y_label) + f.ref_line(ref_y, ref_label) + legend
+    bottom, top, above = _y_range([y for pts in data.values() for _, y in pts], ref_y)
+    fig = _figure(6.4, 4.0)
+    ax = fig.add_subplot()
+    end = max(xs, default=1.0)
+    ax.set(title=title, xlabel=x_label, ylabel=y_label, xlim=(min(0.0, *xs) if xs else 0.0, end if end > 0 else 1.0),
+           ylim=(bottom, top))
+    _reference(ax, ref_y, ref_label, above)
     if not any(data.values()):
-        body.append(f.note(empty))
-    end = max(xs) if x_end is None else x_end
+        _note(ax, empty)
     for i, (name, pts) in enumerate(data.items()):
         if not pts:
             continue
-        color = PALETTE[i % len(PALETTE)]
         path: list[Point] = []
         for x, y in pts:
-            if step and path:
+            if path:
                 path.append((x, path[-1][1]))
             path.append((x, y))
-        if step and end > path[-1][0]:
+        if end > path[-1][0]:
             path.append((end, path[-1][1]))
-        coords = " ".join(f"{f.x(x)},{f.y(y)}" for x, y in path)
-        body.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2" '
-                    f'stroke-linejoin="round"><title>{escape(name)}</title></polyline>')
-        for x, y in pts[-200:]:
-            body.append(f'<circle cx="{f.x(x)}" cy="{f.y(y)}" r="3" fill="{color}">'
-                        f'<title>{escape(name)}: {y:.3g} at {x:.4g}</title></circle>')
-    return _svg(width, height, title, body)
+        color = PALETTE[i % len(PALETTE)]
+        ax.plot(*zip(*path), color=color, linewidth=2, label=name, gid=f"series-{i}")
+        ax.plot(*zip(*pts[-200:]), "o", color=color, markersize=4, label=f"_{name} points")
+    if any(data.values()):
+        ax.legend(loc="lower right", frameon=False)
+    return fig
 
 
-def bar_chart(bars: Sequence[tuple[str, float | None]], *, title: str, y_label: str, ref_y: float | None = 1.0,
-              ref_label: str = "1.0x = original", value_suffix: str = "x", height: int = 300,
-              empty: str = "nothing to show yet") -> str:
-    """One vertical bar per label; green above `ref_y`, red below; None: no bar, a note."""
-    n = len(bars)
-    width = max(360, min(960, 84 + 96 * n))
-    vals = [v for _, v in bars if v is not None and math.isfinite(v)]
-    hi = max(vals + ([ref_y] if ref_y is not None and (not vals or max(vals) >= ref_y / 4) else []) + [0.0])
-    f = _Frame(width, height, (0.0, hi * 1.1 if hi > 0 else 1.0), (0.0, hi * 1.1 if hi > 0 else 1.0),
-               top=36, bottom=58)
-    f.xt = [0.0, float(max(n, 1))]
-    body = f.axes("", y_label, x_ticks=False) + f.ref_line(ref_y, ref_label)
-    if not n:
-        body.append(f.note(empty))
-    slot = (width - f.left - f.right) / max(n, 1)
-    base = f.y(0.0)
-    for i, (label, v) in enumerate(bars):
-        cx = f.left + slot * (i + 0.5)
-        short = label if len(label) <= 14 else label[:13] + "…"
-        body.append(f'<text x="{cx:.2f}" y="{f.h - f.bottom + 16}" text-anchor="middle" fill="{INK}">'
-                    f'<title>{escape(label)}</title>{escape(short)}</text>')
-        if v is None or not math.isfinite(v):
-            body.append(f'<text x="{cx:.2f}" y="{base - 8}" text-anchor="middle" fill="{MUTED}">none kept</text>')
-            continue
-        top, bw = f.y(v), min(56.0, slot * 0.6)
-        color = GOOD if ref_y is None or v >= ref_y else BAD
-        body.append(f'<rect x="{cx - bw / 2:.2f}" y="{top}" width="{bw:.2f}" height="{max(0.0, base - top):.2f}" '
-                    f'fill="{color}"><title>{escape(label)}: {v:.3g}{escape(value_suffix)}</title></rect>')
-        body.append(f'<text x="{cx:.2f}" y="{top - 5:.2f}" text-anchor="middle" fill="{INK}">'
-                    f'{v:.2f}{escape(value_suffix)}</text>')
-    return _svg(width, height, title, body)
+def bar_figure(bars: Sequence[tuple[str, float | None]], *, title: str, y_label: str, ref_y: float | None = 1.0,
+               ref_label: str = "1.0x = original", value_suffix: str = "x",
+               empty: str = "nothing to show yet") -> "Figure":
+    """One bar per label, green at or above `ref_y` and red below; None: no bar, a note."""
+    values = [v if v is not None and math.isfinite(v) else None for _, v in bars]
+    bottom, top, above = _y_range([v for v in values if v is not None], ref_y)
+    fig = _figure(max(3.6, min(9.6, 0.84 + 0.96 * len(bars))), 3.8)
+    ax = fig.add_subplot()
+    ax.set(title=title, ylabel=y_label, ylim=(bottom, top * 1.05), xlim=(-0.6, max(len(bars), 1) - 0.4))
+    _reference(ax, ref_y, ref_label, above)
+    if not bars:
+        _note(ax, empty)
+    drawn = [(i, v) for i, v in enumerate(values) if v is not None]
+    if drawn:
+        rects = ax.bar([i for i, _ in drawn], [v for _, v in drawn], width=0.6, gid="bars",
+                       color=[GOOD if ref_y is None or v >= ref_y else BAD for _, v in drawn])
+        ax.bar_label(rects, labels=[f"{v:.2f}{value_suffix}" for _, v in drawn], padding=2)
+    for i, v in enumerate(values):
+        if v is None:
+            ax.text(i, 0, "none kept", ha="center", va="bottom", color=MUTED)
+    ax.set_xticks(range(len(bars)), [label if len(label) <= 14 else label[:13] + "…" for label, _ in bars],
+                  rotation=30 if len(bars) > 4 else 0, ha="right" if len(bars) > 4 else "center")
+    return fig
 
 
-def plots(data: "ReportData") -> dict[str, str]:
-    """The report's images as SVG: best speedup so far against trials and against device
-    time, and the best speedup per region."""
+_ID = re.compile(r'(\bid="|href="#|url\(#)')
+_TAG = re.compile(r"<[^>]+>")
+_LONG_COORDINATE = re.compile(r"(?<![\w.])(-?\d+\.\d{3,})")
+
+
+def to_svg(fig: "Figure", name: str, title: str) -> str:
+    """The figure as an `<svg>` element (no XML prolog, so it can be inlined), its ids prefixed
+    with `name`, labelled with `title` for screen readers."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata=NO_METADATA)
+    text = buf.getvalue()
+    text = _ID.sub(lambda m: f"{m.group(1)}{name}-", text[text.index("<svg"):])
+    # Coordinates to two decimals (a hundredth of a point); the text between tags is left as drawn.
+    text = _TAG.sub(lambda tag: _LONG_COORDINATE.sub(lambda m: f"{float(m.group()):.2f}", tag.group()), text)
+    return text.replace("<svg ", f'<svg role="img" aria-label="{escape(title)}" ', 1)
+
+
+def line_chart(series: Mapping[str, Sequence[Point]], *, name: str = "chart", title: str, **kw) -> str:
+    import matplotlib
+    with matplotlib.rc_context(STYLE):
+        return to_svg(line_figure(series, title=title, **kw), name, title)
+
+
+def bar_chart(bars: Sequence[tuple[str, float | None]], *, name: str = "chart", title: str, **kw) -> str:
+    import matplotlib
+    with matplotlib.rc_context(STYLE):
+        return to_svg(bar_figure(bars, title=title, **kw), name, title)
+
+
+def plots(data: "ReportData") -> dict[str, tuple[str, str]]:
+    """The report's charts, name -> (title, SVG): best speedup so far against trials and against
+    device time, and the best speedup per region."""
     by_trial, by_time = data.progress()
     total = data.gpu_seconds
     unit, div = (("s", 1.0) if total < 120 else ("min", 60.0) if total < 7200 else ("hours", 3600.0))
@@ -223,14 +160,14 @@ def plots(data: "ReportData") -> dict[str, str]:
     bars = [(f"{r.name} · {g}", s) for r in data.regions if r.best for g, s in sorted(r.best.speedups().items())] \
         if several else [(r.name, r.score) for r in data.regions]
     bars += [(r.name, None) for r in data.regions if several and not r.best]
-    return {
-        "progress-trials": line_chart(by_trial, title=f"Best kept speedup vs trials{kind}", x_label="trials finished",
-                                      y_label="best speedup (x)", x_end=len(data.history.trials), ref_y=1.0,
-                                      ref_label="1.0x = original", empty="no kept candidate yet"),
-        "progress-time": line_chart({k: [(x / div, y) for x, y in v] for k, v in by_time.items()},
-                                    title=f"Best kept speedup vs {dev}{kind}", x_label=f"cumulative {dev}, {unit}",
-                                    y_label="best speedup (x)", x_end=total / div, ref_y=1.0,
-                                    ref_label="1.0x = original", empty="no kept candidate yet"),
-        "regions": bar_chart(bars, title=f"Best speedup per region{kind}",
-                             y_label="best speedup (x)", empty="no regions frozen"),
-    }
+    line = dict(y_label="best speedup (x)", ref_y=1.0, ref_label="1.0x = original", empty="no kept candidate yet")
+    titles = {"progress-trials": f"Best kept speedup vs trials{kind}",
+              "progress-time": f"Best kept speedup vs {dev}{kind}", "regions": f"Best speedup per region{kind}"}
+    svgs = {"progress-trials": line_chart(by_trial, name="progress-trials", title=titles["progress-trials"],
+                                          x_label="trials finished", x_end=len(data.history.trials), **line),
+            "progress-time": line_chart({k: [(x / div, y) for x, y in v] for k, v in by_time.items()},
+                                        name="progress-time", title=titles["progress-time"],
+                                        x_label=f"cumulative {dev}, {unit}", x_end=total / div, **line),
+            "regions": bar_chart(bars, name="regions", title=titles["regions"], y_label="best speedup (x)",
+                                 empty="no regions frozen")}
+    return {name: (titles[name], svg) for name, svg in svgs.items()}
