@@ -6,7 +6,7 @@ import threading
 import time
 import traceback
 
-from agent.cli import main
+from agent.cli.main import main
 
 
 # How long the exit after an interrupt may wait for other threads; the environment may shorten it

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from tools.problem import Problem
+from tools.runfolder import RunFolder
 from tools.trial import Status, Trial
 
 MAX_LOST = 2
@@ -123,3 +125,17 @@ class History:
             if t.region == region:
                 out[t.status.value] += 1
         return dict(out)
+
+
+def load_history(run: RunFolder, problems: list[Problem], generations: list[str]) -> History:
+    history = History({p.name: p.target_generations or generations for p in problems})
+    if not run.check_store():
+        return history
+    store = run.store(readonly=True)
+    try:
+        for trial in store.trials():
+            history.add(trial)
+        history.interrupted = store.unfinished()
+    finally:
+        store.close()
+    return history

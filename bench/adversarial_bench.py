@@ -79,7 +79,7 @@ if iso.kind != "bubblewrap":  # these candidates signal every process they see a
     sys.exit(2)
 
 step("freeze")
-from agent.jobs import profile_and_freeze  # noqa: E402
+from agent.setup.jobs import profile_and_freeze  # noqa: E402
 
 work = Path(tempfile.mkdtemp(prefix="nightshift-bench-"))
 model = work / "model" / "llama.py"
@@ -213,7 +213,7 @@ if "--skip-honest" not in sys.argv:
 step("A/A integration of the untouched model")
 aa = None
 if "--skip-aa" not in sys.argv:
-    from agent.integrate import integrate  # noqa: E402
+    from agent.review.integrate import integrate  # noqa: E402
     t0 = time.time()
     clean = run.store()  # integration takes winners from the store: none are recorded here
     clean.close()

@@ -153,8 +153,8 @@ def collect(procs: dict[str, subprocess.Popen]) -> dict:
 
 
 def harness(run_path: Path, device: str, names: list[str]) -> dict:
-    """The harness's compile baselines, through integration's own path (agent/integrate.py)."""
-    from agent.integrate import integrate
+    """The harness's compile baselines, through integration's own path (agent/review/integrate.py)."""
+    from agent.review.integrate import integrate
     res = integrate(run_path, device, baselines=True, modes=names, cuda_graphs=False,
                     on_step=lambda line: print(f"  harness: {line}", flush=True))
     return harness_from(res)
@@ -188,7 +188,7 @@ def main() -> int:
     ap.add_argument("--standalone-only", action="store_true")
     ap.add_argument("--standalone-json", type=Path, default=None)
     args = ap.parse_args()
-    from agent.ways import BASELINES
+    from agent.review.ways import BASELINES
     names = [n for n in args.modes.split(",") if n]
     unknown = [n for n in names if n not in BASELINES]
     if unknown:
@@ -213,7 +213,7 @@ def main() -> int:
             return 2
         ours = harness_from(res)
     else:
-        from agent.jobs import profile_and_freeze
+        from agent.setup.jobs import profile_and_freeze
         frozen = profile_and_freeze(args.model, args.device, None, args.out / "runs", max_regions=1)
         print(f"  frozen in {time.monotonic() - t0:.0f}s: {frozen.run.path}", flush=True)
         ours = harness(frozen.run.path, args.device, names)

@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, os.getcwd())
 spec = importlib.util.spec_from_file_location("llama", "examples/llama.py"); L = importlib.util.module_from_spec(spec)
 sys.modules["llama"] = L; spec.loader.exec_module(L)
-from agent.dispatch import shape_key
+from agent.review.dispatch import shape_key
 from agent.prompting import render_code
-from agent.ways import composed_candidate
+from agent.review.ways import composed_candidate
 from tools.problem import Problem
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 T0 = time.time()

@@ -47,7 +47,7 @@ for d in report["devices"]:
 con.print(f"triton: {report['triton']} | keys: {report['api_keys']} | exit {doc.returncode}")
 
 step("profile full-size example")
-from agent.jobs import profile_and_freeze  # noqa: E402
+from agent.setup.jobs import profile_and_freeze  # noqa: E402
 from tools.modelfile import load_model  # noqa: E402
 from tools.profiler import render_hotspots, select_regions, torch_profiler_table  # noqa: E402
 

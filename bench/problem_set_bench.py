@@ -55,7 +55,7 @@ models = [Path(a) for a in args]
 missing = [str(m) for m in models if not m.is_file()]
 if missing:
     sys.exit(f"no such model file: {', '.join(missing)}")
-from agent.ways import BASELINES  # noqa: E402
+from agent.review.ways import BASELINES  # noqa: E402
 modes = list(BASELINES) if opts["--modes"] == "all" else [m.strip() for m in opts["--modes"].split(",") if m.strip()]
 if unknown := [m for m in modes if m not in BASELINES]:
     sys.exit(f"--modes: {', '.join(unknown)} not one of {', '.join(BASELINES)} (or all)")
@@ -110,7 +110,7 @@ def _cuda() -> bool:
 def integrate_row(row: dict, summary: dict) -> dict:
     """The tune's own integration (one tune at a time), or integration with the chosen compile
     baselines with nothing else on the device (after a wave of tunes side by side)."""
-    from agent.integrate import integrate  # noqa: E402
+    from agent.review.integrate import integrate  # noqa: E402
     from tools.e2e import IntegrationResult  # noqa: E402
     from tools.runfolder import RunFolder  # noqa: E402
     t0 = time.time()

@@ -8,7 +8,7 @@ One process: `agent tune` (library calls, the template planner) on examples/llam
 trace's workload mix (`--workloads TRACE`: the shapes its requests group into, weighted by the
 calls each costs, tools/traffic.py) plus, at weight 0, the model's own KV-cache workloads
 (prefill 1x2048, decode 32x1 over 4096, long_prefill 1x16384, small_batch 8x128 after 896);
-then integration (agent/integrate.py): the winners routed into the model, verified end to
+then integration (agent/review/integrate.py): the winners routed into the model, verified end to
 end, and timed side by side with the untouched model in one worker, A/A noise band included,
 and torch.compile of the untouched model in each mode timed the same way.
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def tune(out: Path, args) -> Path:
-    from agent.session import TuneRequest, tune_session
+    from agent.cli.session import TuneRequest, tune_session
     given = {"planner": "template", "gpu_hours": args.gpu_hours, "max_candidates": args.max_candidates,
              "patience": args.patience, "devices": args.device if args.device != "auto" else None}
     req = TuneRequest(model=ROOT / "examples" / "llama.py", given=given, device=args.device,
@@ -48,7 +48,7 @@ def tune(out: Path, args) -> Path:
 
 
 def table(result, trace: str) -> list[str]:
-    from agent.ways import BASELINES
+    from agent.review.ways import BASELINES
     from agent.report.numbers import weighted_totals
     modes = [n for n in BASELINES if any(n in w.baselines for w in result.workloads)]
     unit = "CPU ms" if result.timing_kind == "cpu" else "ms"
@@ -108,7 +108,7 @@ def main() -> None:
                     help="Integration's limit on one candidate's compile (a torch.compile mode past it: failed, timeout).")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    from agent.integrate import BASELINES, integrate
+    from agent.review.integrate import BASELINES, integrate
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in BASELINES]
     if unknown:

@@ -70,7 +70,7 @@ PHASES = ["start", "start.worker", "start.worker.imports", "start.worker.setup",
 
 
 def freeze(model: Path, device: str, regions: list[str] | None, runs_dir: Path) -> Path:
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     t0 = time.monotonic()
     print(f"[trial_cost] profiling and freezing {model} on {device} ...", flush=True)
     out = profile_and_freeze(model, device, None, runs_dir, regions=regions)

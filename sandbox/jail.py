@@ -55,7 +55,7 @@ class Isolation:
 
 
 NO_JAIL_ENV = "NIGHTSHIFT_NO_JAIL"
-"""Set to 1 by `--no-jail` (agent/cli.py), so that every process of the session knows."""
+"""Set to 1 by `--no-jail` (agent/cli/main.py), so that every process of the session knows."""
 UNTRUSTED_PLANNERS = ("anthropic", "openai", "files", "manual")
 """Planners whose candidates the project did not write (`manual`: `agent try` on a user's file)."""
 

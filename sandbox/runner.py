@@ -6,7 +6,7 @@ candidate code, answers with the original's outputs on the fresh inputs and with
 parameters, and times the original. Every call returns a `Trial`; nothing raises across the
 boundary, so a night of crashing candidates costs trials, not the run. The same path serves a
 region and the whole model (region path ""; its candidate routes the model's classes through
-their winners, see agent/integrate.py).
+their winners, see agent/review/integrate.py).
 """
 
 from __future__ import annotations

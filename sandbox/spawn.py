@@ -74,7 +74,7 @@ class WorkerConfig:
     25-75 s each, in a 50-trial tune on the H200)."""
     compile_cache: str | None = None
     """A host folder, bound writable into the jail, that holds Inductor's and Triton's caches
-    instead of the worker's own empty ones (agent/ways.py: a compile baseline fills its mode's,
+    instead of the worker's own empty ones (agent/review/ways.py: a compile baseline fills its mode's,
     a way with our kernels starts from a copy of it). None: the worker's own, gone with it."""
     compile_cache_at: str | None = None
     """Where the jailed worker sees `compile_cache` (None: at its own path). A copy of a baseline's
@@ -83,7 +83,7 @@ class WorkerConfig:
     nice: int = 0
     """How much lower the worker's CPU priority is than the tuner's (started under `nice -n`: the
     jail and every process the worker starts inherit it): the compile baselines beside the
-    search (agent/early_baselines.py)."""
+    search (agent/review/early_baselines.py)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from agent.apply import Winner, apply_run, kernels_module_text
-from agent.jobs import UserError
+from agent.setup.jobs import UserError
 from tools.e2e import AcceptedRegion, DroppedCandidate, IntegrationResult
 from tools.modelfile import file_sha256
 from tools.problem import Problem
@@ -474,7 +474,7 @@ def test_under_compile_a_region_runs_its_own_code_where_the_compiler_was_as_fast
     """integration.json's `under_compile`: shapes where torch.compile of the region was as fast as
     its winner. compile_model runs the region's own code there (compiled with the rest), as the
     measured "nightshift + <mode>" ways did; eager calls and other shapes keep the winner."""
-    from agent.dispatch import shape_key
+    from agent.review.dispatch import shape_key
     x, wide = torch.ones(2, 4), torch.ones(3, 4)
     for shapes, compiled_runs_ours in (([shape_key((x,), {"mask": None})], {(2, 4): False, (3, 4): True}),
                                        (["*"], {(2, 4): False, (3, 4): False})):

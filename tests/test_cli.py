@@ -310,7 +310,7 @@ def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_pat
 
 
 FLAGGED = """import ctypes, runpy
-import agent.cli
+import agent.cli.main
 
 def command():
     # A SIGTERM landing in code that C ran as a string (exec of a dataclass's __init__ during an
@@ -345,7 +345,7 @@ def test_an_interrupt_ends_the_command_even_with_a_thread_nothing_will_end(tmp_p
     with 130 once its exit handlers have run."""
     marker = tmp_path / "exit-handler-ran"
     code = ("import atexit, runpy, threading\n"
-            "import agent.cli\n"
+            "import agent.cli.main\n"
             "threading.Thread(target=threading.Event().wait, name='orphan').start()\n"
             f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
             "def interrupted():\n"

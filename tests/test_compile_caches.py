@@ -1,5 +1,5 @@
 """A compile baseline's caches carried to the ways with our kernels in its mode
-(agent/compile_caches.py): the baseline's worker writes its mode's folder, a composed way's
+(agent/review/compile_caches.py): the baseline's worker writes its mode's folder, a composed way's
 worker starts from a copy (run again, from its own earlier copy), and nothing a composed way
 (candidate code) writes reaches the baseline's folder; no other worker sees either."""
 
@@ -38,14 +38,14 @@ def _marks(expect=(), forbid=(), write="mark"):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     tmp = tmp_path_factory.mktemp("compile_caches")
     return profile_and_freeze(ROOT / "tests" / "models" / "tiny_rmsnorm.py", "cpu", None, tmp / "runs").run
 
 
 def test_a_composed_way_starts_from_a_copy_of_its_modes_baseline_and_never_writes_it(run):
-    from agent.compile_caches import CompileCaches
-    from agent.ways import side_by_side
+    from agent.review.compile_caches import CompileCaches
+    from agent.review.ways import side_by_side
     from sandbox.pool import DevicePool
     caches = CompileCaches(run.path)
     pool = DevicePool("cpu", [run.problems_dir / "RMSNorm"], cpu_lock=True)
@@ -83,7 +83,7 @@ def test_a_composed_way_starts_from_a_copy_of_its_modes_baseline_and_never_write
 
 
 def test_what_a_baseline_way_is_given_and_what_else_gets_nothing(tmp_path):
-    from agent.compile_caches import CompileCaches
+    from agent.review.compile_caches import CompileCaches
     caches = CompileCaches(tmp_path)
     own, seen_at = map(Path, caches.folder("max-autotune-no-cudagraphs"))
     assert own == seen_at == tmp_path / "compile_cache" / "max-autotune-no-cudagraphs"
@@ -110,7 +110,7 @@ def test_a_composed_way_where_the_compilers_code_runs_hits_its_baselines_graph_c
     import torch
     from torch import nn
 
-    from agent.ways import composed_candidate
+    from agent.review.ways import composed_candidate
     from sandbox import compiled
     from tools.problem import Problem
 

@@ -66,7 +66,7 @@ with torch.no_grad():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     tmp = tmp_path_factory.mktemp("compile_truth")
     return profile_and_freeze(MODEL, "cpu", None, tmp / "runs", regions=["Model"]).run
 
@@ -90,8 +90,8 @@ def _try(run, source: str, do_time: bool = True):
 
 @pytest.mark.alone
 def test_a_compiled_candidate_and_the_compile_baseline_time_like_standalone_compile(run):
-    from agent.early_baselines import EarlyBaselines
-    from agent.integrate import integrate
+    from agent.review.early_baselines import EarlyBaselines
+    from agent.review.integrate import integrate
     standalone = _standalone()
     assert standalone > 1.8, f"standalone torch.compile is only {standalone:.2f}x here: the model proves nothing"
     trial = _try(run, COMPILED)
@@ -122,9 +122,9 @@ def test_a_compiled_candidate_and_the_compile_baseline_time_like_standalone_comp
 
 
 def test_baselines_that_could_not_run_beside_the_search_are_run_by_integration(run):
-    from agent.early_baselines import EarlyBaselines
-    from agent.integrate import integrate
-    from agent.early_baselines import BASELINE_NICE
+    from agent.review.early_baselines import EarlyBaselines
+    from agent.review.integrate import integrate
+    from agent.review.early_baselines import BASELINE_NICE
     early = EarlyBaselines(run, "cpu", modes=["torch.compile"])
     # beside a search they compile at a lower priority, both sides of their timings alike
     assert early.pool.nice == early.pool.reference.config.nice == BASELINE_NICE > 0

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from agent.prompting import render_code
-from agent.ways import composed_candidate
+from agent.review.ways import composed_candidate
 from tools.problem import Problem
 
 KERNEL = '''
@@ -126,7 +126,7 @@ def test_the_compiled_ways_run_each_regions_route_beside_the_compiler():
     import hashlib
     from types import SimpleNamespace
 
-    from agent.ways import ways_of
+    from agent.review.ways import ways_of
 
     def region(name):
         return SimpleNamespace(name=name, region_class=name)
@@ -250,7 +250,7 @@ def test_the_routed_ways_run_the_original_where_the_winner_refuses_a_call(tmp_pa
     """transformers' LlamaModel passes an attention mask only while a CUDA graph captures it (H100,
     2026-12-06): the winner, verified with None, refused, and the graphed way failed where `agent
     apply`'s routing runs the original. Integration's routed model does the same now."""
-    from agent.ways import routed_candidate
+    from agent.review.ways import routed_candidate
 
     class Net(nn.Module):
         def __init__(self):

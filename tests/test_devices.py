@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from agent import doctor
+from agent.setup import doctor
 from tools import devices
 from tools.devices import Ceilings, get_ceilings, list_devices, measure_ceilings, software_versions
 
@@ -147,13 +147,13 @@ def test_every_gpu_busy_with_gpu_frozen_problems_stops_with_a_clear_error(monkey
     problems on the CPU all night (it did on the H200, while the bench's own process held it)."""
     from types import SimpleNamespace
 
-    from agent import tuning
+    from agent.search import tuning
     from agent.errors import UserError
     from agent.executors.local import Slot
-    from agent.settings import StopRule
+    from agent.search.settings import StopRule
 
     busy = (["cuda:0 left alone: 3.5 GiB in use by other work", "no idle GPU: using the CPU"])
-    from agent import jobs
+    from agent.setup import jobs
     from agent.executors import local
     monkeypatch.setattr(local, "parse_devices", lambda devices: ([Slot("cpu", "cpu")], list(busy)))
     monkeypatch.setattr(jobs, "check_model_unchanged", lambda p: None)

@@ -1,4 +1,4 @@
-"""Per input shape, the fastest kept candidate (agent/dispatch.py): which one each workload gets,
+"""Per input shape, the fastest kept candidate (agent/review/dispatch.py): which one each workload gets,
 and a dispatcher that really routes each shape to its kernel inside the sandbox."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.dispatch import (ShapeChoice, dispatch_source, input_keys, left_to_the_compiler, per_workload, shape_key,
+from agent.review.dispatch import (ShapeChoice, dispatch_source, input_keys, left_to_the_compiler, per_workload, shape_key,
                             worth_it)
 from agent.history import CandidateRecord
 from sandbox.runner import Limits, TrialRunner

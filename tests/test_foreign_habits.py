@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from agent.planners.compiler import CompilerPlanner
-from agent.ways import compile_candidate
+from agent.review.ways import compile_candidate
 from test_kernelbench_conventions import DRAWS, OWN, _judged, _write
 from tools.capture import RegionChoice, freeze
 from tools.capture_model import freeze_model
@@ -179,7 +179,7 @@ def test_the_region_around_parts_that_cannot_be_frozen_is_chosen_instead(tmp_pat
     is frozen whole (it was passed over as made of them, and the run had no problem at all)."""
     import warnings
 
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = profile_and_freeze(_write(tmp_path, "encoder.py", ENCODER), "cpu", None, tmp_path / "runs")

@@ -54,7 +54,7 @@ def forward(module, x):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A profiled run with the three candidates above verified in the sandbox and recorded."""
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     from sandbox.runner import TrialRunner
     from tools.trial import Candidate
     tmp = tmp_path_factory.mktemp("integrate")
@@ -126,7 +126,7 @@ def test_the_whole_model_is_one_more_problem_on_the_same_trial_path(run):
     the first layer, again in the second (so both instances were routed), past the end-to-end
     tolerance. The untouched model routed through nothing passes; a torch.compile mode that
     does not exist is a failed candidate, and the worker serves the next one."""
-    from agent.ways import compile_candidate, routed_candidate
+    from agent.review.ways import compile_candidate, routed_candidate
     from sandbox.runner import TrialRunner
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")
@@ -209,7 +209,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
     own, and only then verified (on one draw of fresh inputs, the original's answers computed
     once) and timed, one after another: a failing way is its own trial, the others are timed;
     a preloaded candidate is never mistaken for another one."""
-    from agent.ways import compile_candidate, routed_candidate, side_by_side
+    from agent.review.ways import compile_candidate, routed_candidate, side_by_side
     from sandbox.pool import DevicePool
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")
@@ -256,7 +256,7 @@ def test_ways_of_running_compile_side_by_side_then_time_one_by_one(run):
 def test_our_kernels_run_inside_torch_compile_as_opaque_ops_with_no_graph_break(run):
     """"nightshift + torch.compile": the routed model compiled whole, each winner a custom op
     (its schema from the first call), verified end to end like any way, one graph, no break."""
-    from agent.ways import composed_candidate
+    from agent.review.ways import composed_candidate
     from sandbox.runner import TrialRunner
     folder, _ = run
     rms = next(p for p in folder.problems() if p.name == "RMSNorm")
@@ -277,7 +277,7 @@ def test_a_torch_compile_winner_routes_into_every_instance_eager_and_composed(ru
     both RMSNorm instances, its forward is the instance's own, so compiling the module would
     call back into itself (dynamo failed every such routed model on the GPU). The routed model
     and the composed way both pass end to end."""
-    from agent.ways import composed_candidate, routed_candidate
+    from agent.review.ways import composed_candidate, routed_candidate
     from agent.prompting import render_code
     from sandbox.runner import TrialRunner
     folder, _ = run
@@ -305,7 +305,7 @@ def test_a_torch_compile_winner_is_not_nested_in_a_capture_or_another_compile():
     tuned model only; the graphed and composed ways carry the kernel winners, or do not exist."""
     from types import SimpleNamespace
     from agent.prompting import render_code
-    from agent.ways import ways_of
+    from agent.review.ways import ways_of
     from tools.problem import Problem
     norm, mlp = (Problem.model_construct(name=n, region_class=n) for n in ("Norm", "MLP"))
     compiled = SimpleNamespace(template="torch_compile")
@@ -327,7 +327,7 @@ def test_every_check_of_the_model_is_on_one_draw_whose_answers_are_computed_once
     one by one, then the tuned model again: four verifications of the whole model, one request
     for the original's answers (they are gigabytes a set with a KV cache, so computing them per
     check cost integration minutes on the H200)."""
-    from agent.integrate import integrate
+    from agent.review.integrate import integrate
     from sandbox.reference import ReferenceWorker
     folder, (biased, triton, _) = run
     shutil.copytree(folder.path, tmp_path / "run")
@@ -358,8 +358,8 @@ def test_each_shape_runs_the_candidate_that_was_fastest_on_it(run, tmp_path):
     region gets a dispatcher that runs each where it won, tried before either alone, verified
     end to end and saved with the run's candidates; applied, it prints without a region speedup
     of its own (once a TypeError at the end of a tune on the H200)."""
-    from agent.dispatch import input_keys
-    from agent.integrate import integrate
+    from agent.review.dispatch import input_keys
+    from agent.review.integrate import integrate
     from tools.runfolder import RunFolder
     from tools.trial import Candidate, Status, WorkloadTiming
     folder, (biased, triton, _) = run
@@ -451,7 +451,7 @@ def test_generated_model_candidates_render_and_run_without_a_gpu(tmp_path):
     """The routed model, its CUDA-graph variant (which runs eagerly where there is no GPU) and a
     torch.compile candidate render from their templates (StrictUndefined) and route as said."""
     import importlib.util
-    from agent.ways import compile_candidate, graphed_candidate, routed_candidate
+    from agent.review.ways import compile_candidate, graphed_candidate, routed_candidate
     from agent.planners.compiler import CompilerPlanner, all_points
     from agent.prompting import render_code
     from tools.problem import Problem
@@ -487,7 +487,7 @@ def test_generated_model_candidates_render_and_run_without_a_gpu(tmp_path):
 def _graphed_module(tmp_path: Path):
     """The graphed way's source with no routes, imported from a file (Triton reads source files)."""
     import importlib.util
-    from agent.ways import graphed_candidate
+    from agent.review.ways import graphed_candidate
     c = graphed_candidate([])
     path = tmp_path / f"{c.hash}.py"
     path.write_text(c.source)
@@ -534,8 +534,8 @@ def test_where_the_tuned_model_was_slower_the_original_runs_there(run, tmp_path,
     there; a tie is not worth a second compile of every way."""
     from types import SimpleNamespace
 
-    from agent import integrate as integ
-    from agent.dispatch import input_keys
+    from agent.review import integrate as integ
+    from agent.review.dispatch import input_keys
     from tools.runfolder import RunFolder
     w = [SimpleNamespace(name=n) for n in ("rows8", "rows32")]
     timed = lambda *verdicts: SimpleNamespace(timings=[SimpleNamespace(verdict=v) for v in verdicts])  # noqa: E731
@@ -560,7 +560,7 @@ def test_where_the_tuned_model_was_slower_the_original_runs_there(run, tmp_path,
     namespace: dict = {}
     exec(source[source.index("_TABLE = {"):source.index("_DEFAULT")], namespace)
     assert [namespace["_TABLE"][k] for k in keys] == [0, None]  # the winner on rows8, the original on rows32
-    from agent.dispatch import without_workloads
+    from agent.review.dispatch import without_workloads
     from agent.history import CandidateRecord
     rms = next(p for p in RunFolder.open(tmp_path / "run").problems() if p.name == "RMSNorm")
     rec = CandidateRecord("RMSNorm", "0" * 16, None, {}, "manual")
@@ -575,8 +575,8 @@ def test_the_cuda_graph_way_not_timed_as_the_tuned_model_is_a_column_of_its_own(
     called best read 1.731, and the report never showed it: the graphed way replaced the tuned
     model wholesale or was dropped. Here (the CPU has no CUDA graphs) a stand-in for it, the routed
     model slowed by a sleep per call, is measured and shown beside the tuned model."""
-    from agent import integrate as integ
-    from agent import ways
+    from agent.review import integrate as integ
+    from agent.review import ways
     from agent.report.numbers import standings
     slowed = ("\n_unslowed = forward\n\n\ndef forward(model, *args, **kwargs):\n    import time\n"
               "    time.sleep(0.01)\n    return _unslowed(model, *args, **kwargs)\n")
@@ -610,8 +610,8 @@ def test_where_the_compiler_did_every_region_as_fast_no_compiled_way_of_ours_is_
     mode itself, so it is not run, and the notes say why it is missing from the table."""
     from types import SimpleNamespace
 
-    from agent import dispatch
-    from agent import integrate as integ
+    from agent.review import dispatch
+    from agent.review import integrate as integ
     monkeypatch.setattr(dispatch, "left_to_the_compiler", lambda p, kept, gens, rec, made=None: {"a", "b"})
     region = SimpleNamespace(name="R", workloads=[SimpleNamespace(name="a"), SimpleNamespace(name="b")])
     history = SimpleNamespace(targets=lambda name: ["sm90"], kept=lambda name: [])
@@ -626,7 +626,7 @@ def test_a_reroute_stopped_midway_leaves_the_first_routings_table(run, tmp_path,
     """On the H100 (2026-12-06) the example's tune ran out of its step while integration compiled
     every way a second time, and no integration.json was written: the first routing's table,
     measured and verified, was lost with it. It is saved before the second round starts."""
-    from agent import integrate as integ
+    from agent.review import integrate as integ
     from tools.e2e import IntegrationResult
     folder, _ = run
     shutil.copytree(folder.path, tmp_path / "run")
@@ -647,8 +647,8 @@ def test_the_compiled_ways_leave_to_the_compiler_what_it_did_as_fast(run, tmp_pa
     """Where torch.compile of a region was as fast as its winner on a workload, the composed way
     ("nightshift + torch.compile") runs the region's own code there, compiled with the rest, and
     integration.json says which shapes, for `agent apply`'s compile_model to do the same."""
-    from agent import dispatch
-    from agent import integrate as integ
+    from agent.review import dispatch
+    from agent.review import integrate as integ
     from tools.runfolder import RunFolder
     folder, (biased, _, _) = run
     shutil.copytree(folder.path, tmp_path / "run")

@@ -157,7 +157,7 @@ def get_inputs():
 
 
 def test_a_region_that_cannot_be_frozen_gives_way_to_its_parts(tmp_path):
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     res = profile_and_freeze(_write(tmp_path, "counts.py", COUNTS), "cpu", None, tmp_path / "runs")
     assert "Model" in res.skipped and "differs" in res.skipped["Model"], res.skipped
     assert [p.region_class for p in res.problems] == ["Norm"], (res.problems, res.skipped)

@@ -376,7 +376,7 @@ import copy, importlib.util, sys
 import torch
 spec = importlib.util.spec_from_file_location("llama", sys.argv[1]); L = importlib.util.module_from_spec(spec)
 sys.modules["llama"] = L; spec.loader.exec_module(L)
-from agent.ways import composed_candidate
+from agent.review.ways import composed_candidate
 from tools.problem import Problem
 own = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
 c = composed_candidate([(Problem.model_construct(name="LlamaAttention", region_class="LlamaAttention"), own)], None)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from agent.llm import LLMError, make_client, price
+from agent.planners.llm_client import LLMError, make_client, price
 from agent.planners import PlannerError
 from tests.replay_server import ReplayServer, answer, delay, error, reset
 from tools.store import Store

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.budget import Budget
+from agent.search.budget import Budget
 from agent.executors.local import LocalExecutor, parse_devices
 from agent.history import History
-from agent.loop import load_history, tune
+from agent.history import load_history
+from agent.search.loop import tune
 from agent.planners.library import applicable
 from agent.planners.template import TemplatePlanner
 from sandbox.runner import Limits
@@ -88,7 +89,7 @@ def h(source: str) -> str:
 @pytest.fixture(scope="module")
 def frozen_tiny(tmp_path_factory):
     """A run folder of the tiny model, profiled and frozen once; tests get copies."""
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     res = profile_and_freeze(TINY, "cpu", None, tmp_path_factory.mktemp("tiny-runs"))
     assert [p.name for p in res.problems] == [REGION]
     return res.run.path

@@ -234,7 +234,7 @@ def test_library_imports_are_the_files_own_top_level_absolute_imports():
 def _register_parts(tmp_path, monkeypatch, files: dict[str, str], env: dict[str, str]) -> tuple[dict, object]:
     """Freeze `model.py` (with its sibling `files`) under `env`, then start a worker for its Linear
     problem: the registration's parts, and a trial of the region's own forward."""
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     from sandbox.runner import TrialRunner
     from tools.trial import Candidate
     folder = tmp_path / "model"

@@ -89,7 +89,7 @@ def test_without_a_terminal_one_line_per_trial_and_the_same_in_the_log(tmp_path)
 
 def test_a_line_every_interval_while_no_trial_finishes(tmp_path):
     from agent.history import History
-    from agent.progress import Progress
+    from agent.cli.progress import Progress
     out = io.StringIO()
     progress = Progress(tmp_path / "log.txt", [], History(), "cpu", 10, 0.25, lines=out, interval=0.2)
     doing: list[str] = []
@@ -253,7 +253,7 @@ def test_sigterm_while_profiling_leaves_no_half_made_run(tmp_path):
 
 SIGNAL_IN_A_START = '''
 import os, signal, sys, time
-from agent.signals import signals_as_interrupts
+from agent.search.signals import signals_as_interrupts
 from sandbox.spawn import _SPAWNER, _SPARES_LOCK
 with signals_as_interrupts():
     # Where a worker's start interrupted by the signal holds them: the spawner's submit, the spares' list.

@@ -36,7 +36,7 @@ SLOW_IMPORT = "import time\ntime.sleep(60)\n" + RIGHT
 
 @pytest.fixture(scope="module")
 def problem_dir(tmp_path_factory) -> Path:
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     res = profile_and_freeze(TINY, "cpu", None, tmp_path_factory.mktemp("pool-runs"))
     return res.run.problems_dir / REGION
 
@@ -241,7 +241,7 @@ def test_the_compile_baselines_beside_the_search_run_at_a_lower_cpu_priority(pro
     """Inductor's compiles of three modes run beside the search, which keeps first call on the
     host's cores: the early baselines' workers, both sides of their timings, run niced, and so
     does what they start; the search's workers keep the tuner's priority."""
-    from agent.early_baselines import BASELINE_NICE
+    from agent.review.early_baselines import BASELINE_NICE
 
     def niceness(worker) -> set[int]:
         assert worker.start().ok
@@ -412,9 +412,9 @@ def test_a_lane_that_fails_ends_the_search_with_its_error_not_a_thread_traceback
     """A lane's own error (the store it records a start in cannot be written: the disk is full)
     is raised where the trials are read, so the command ends with its one-line message; it was
     a thread's traceback on stderr, and the other lanes went on."""
-    from agent.budget import Budget
+    from agent.search.budget import Budget
     from agent.executors.local import LocalExecutor, Slot
-    from agent.feed import Feed
+    from agent.search.feed import Feed
     from tools.problem import StopRule
     from tools.store import StoreError
     died = []

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.budget import Budget
+from agent.search.budget import Budget
 from agent.executors.ray import PoolSlot, discover
-from agent.loop import load_history, tune
+from agent.history import load_history
+from agent.search.loop import tune
 from tools.problem import StopRule
 from tools.runfolder import RunFolder
 from tools.trial import Candidate, Status, Trial
@@ -61,7 +62,7 @@ def test_discover_reads_gen_resources_and_gpu_accelerator_types():
 
 
 def _agent(*args, prelude: str = "pass") -> subprocess.CompletedProcess:
-    code = f"import sys; {prelude}; from agent.cli import app; sys.argv = ['agent'] + sys.argv[1:]; app()"
+    code = f"import sys; {prelude}; from agent.cli.main import app; sys.argv = ['agent'] + sys.argv[1:]; app()"
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
 
@@ -99,7 +100,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def frozen(tmp_path_factory) -> Path:
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     res = profile_and_freeze(TINY, "cpu", None, tmp_path_factory.mktemp("ray-runs"))
     return res.run.path
 
@@ -257,7 +258,7 @@ def test_resume_after_a_stop_redoes_nothing(run, executor):
 
 def test_a_target_generation_missing_from_the_cluster_is_an_error_before_the_first_trial(run, ray_cluster):
     from agent.executors.ray import ClusterError, RayExecutor
-    from agent.tuning import UserError, run_tune
+    from agent.search.tuning import UserError, run_tune
     with pytest.raises(ClusterError, match="no worker of target generation c "):
         RayExecutor([run.problems_dir / REGION], targets=["a", "c"], limits=LIMITS)
 

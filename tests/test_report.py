@@ -369,5 +369,5 @@ def test_trials_that_ran_without_the_jail_are_named_so(tuned, tmp_path):
 def test_a_small_speedup_is_shown_with_its_digits_not_as_zero():
     """A Triton kernel under the CPU interpreter reads thousandths of the original's speed: the
     live view said "best RMSNorm 0.00x" for one, as if it never ran."""
-    from agent.view import times
+    from agent.report.numbers import times
     assert times(0.0042) == "0.0042x" and times(11.514) == "11.51x" and times(0.5) == "0.50x"

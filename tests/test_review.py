@@ -36,7 +36,7 @@ def forward(module, x):
 
 @pytest.fixture(scope="module")
 def profiled_tiny(tmp_path_factory) -> Path:
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     return profile_and_freeze(TINY, "cpu", None, tmp_path_factory.mktemp("review")).run.path
 
 

@@ -226,8 +226,8 @@ def test_where_user_namespaces_are_off_the_reason_names_the_setting_to_change():
 
 def test_code_nightshift_did_not_write_never_runs_unjailed_without_no_jail(frozen_run, monkeypatch, tmp_path):
     from agent.errors import UserError
-    from agent.jobs import try_candidate
-    from agent.settings import TuneSettings, check
+    from agent.setup.jobs import try_candidate
+    from agent.search.settings import TuneSettings, check
     monkeypatch.setenv("NIGHTSHIFT_NO_BWRAP", "1")  # a machine where no jail can run
     monkeypatch.delenv("NIGHTSHIFT_NO_JAIL", raising=False)
     good = tmp_path / "own.py"

@@ -1,7 +1,7 @@
 """The search without rounds and without running dry, on fake lanes: trials that take as long
 and measure as much as each test says, so scheduling and stop rules are seen in seconds.
 
-`FakeLanes` is the executor protocol of `agent.loop` with threads that sleep instead of
+`FakeLanes` is the executor protocol of `agent.search.loop` with threads that sleep instead of
 running candidates; the loop, the feed, the budget, the store and the planners are the real
 ones. The genetic search is checked on its own against a synthetic fitness.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.budget import Budget
-from agent.feed import results_of
+from agent.search.budget import Budget
+from agent.search.feed import results_of
 from agent.history import History
-from agent.loop import tune
+from agent.search.loop import tune
 from agent.planners.compiler import CompilerPlanner
 from agent.planners.genetic import Measured, Space, evolve
 from tools.problem import Problem, StopRule
@@ -160,7 +160,7 @@ def test_planners_without_a_known_space_stop_as_having_nothing_new(tmp_path):
 # -- the template planner widens while it trails -----------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_problem(tmp_path_factory) -> Problem:
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     res = profile_and_freeze(ROOT / "tests" / "models" / "tiny_rmsnorm.py", "cpu", None,
                              tmp_path_factory.mktemp("tiny"))
     return res.problems[0]
@@ -254,7 +254,7 @@ def test_auto_searches_a_region_no_template_fits_and_goes_on_when_templates_run_
     planner alone has none (0 of 0); an RMSNorm gets its templates first, and the compiler's
     candidates whenever the templates have nothing new; the run ends only when both spaces are
     spent, and says their size."""
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     from agent.planners import make_planner
     res = profile_and_freeze(ROOT / "tests" / "models" / model, "cpu", None, tmp_path / "runs")
     problems = res.problems[:1]

@@ -191,7 +191,7 @@ def test_regions_never_overlap_and_every_class_has_a_reason(results, name):
 def test_profile_says_why_for_each_class_when_nothing_is_frozen(tmp_path):
     """The only region returns a Python number (no tensor to compare) and has no parts to freeze instead:
     `profile` must not come back with an empty list of reasons."""
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     path = tmp_path / "argmax.py"
     path.write_text(textwrap.dedent(HEADER + """
 class Head(nn.Module):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.skill import END, START, install, skill_text
+from agent.setup.skill import END, START, install, skill_text
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "models" / "tiny_rmsnorm.py"
@@ -99,7 +99,7 @@ def test_cli_installs_both_by_default_and_into_home_with_user(tmp_path):
 def test_every_command_and_flag_in_the_text_exists(name):
     """`agent <cmd> --flag` anywhere in the text (code blocks and inline code) is a real command and flag."""
     import typer
-    from agent.cli import app
+    from agent.cli.main import app
     group = typer.main.get_command(app)
     text = skill_text(name)
     commands = re.findall(r"(?:^|`|&& |nohup )agent ([a-z]+)([^`\n]*)", text, re.M)

@@ -64,7 +64,7 @@ def test_the_checksum_key_is_tiled_from_one_period_of_its_formula():
 
 
 def test_each_seed_set_is_answered_by_the_reference_once(tmp_path):
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     from sandbox.runner import SEED_SETS, Limits, TrialRunner
     from tools.trial import Candidate
     run = profile_and_freeze(TINY, "cpu", None, tmp_path / "runs").run.path

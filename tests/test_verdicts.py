@@ -201,7 +201,7 @@ def test_tune_with_cheats_among_good_candidates_keeps_only_the_good_ones(tmp_pat
     import subprocess
     import sys
 
-    from agent.jobs import profile_and_freeze
+    from agent.setup.jobs import profile_and_freeze
     root = Path(__file__).resolve().parent.parent
     res = profile_and_freeze(MODELS / "tiny_rmsnorm.py", "cpu", None, tmp_path / "runs")
     inbox = res.run.inbox / "RMSNorm"

@@ -1,6 +1,6 @@
 """What integration found: the winners applied to the whole model, checked end to end.
 
-Written to `runs/<run>/integration.json` by `agent.integrate`, read by the report and by
+Written to `runs/<run>/integration.json` by `agent.review.integrate`, read by the report and by
 `agent apply`.
 """
 

@@ -8,7 +8,7 @@
     runs/<run-id>/log.txt           the tuner's progress lines, appended by every session
     runs/<run-id>/tune.lock         held by the one tuner working on the run (see RunLock)
     runs/<run-id>/inbox/            candidates dropped in by an outside agent (files planner)
-    runs/<run-id>/compile_cache/    each compile baseline's Inductor and Triton caches (agent.compile_caches)
+    runs/<run-id>/compile_cache/    each compile baseline's Inductor and Triton caches (agent.review.compile_caches)
 
 Everything that can go wrong with the folder itself (a runs directory that is a file or not
 writable, a garbage run.json, a damaged or vanished store) is a `ProblemError` whose one line

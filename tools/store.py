@@ -185,8 +185,8 @@ class Store:
             raise StoreError(f"{self.path} cannot be read ({e})") from None
 
     def record_llm_call(self, call, purpose: str = "") -> None:
-        """One LLM request, answered or failed for good: `call` is an `agent.llm.Reply`, an
-        `agent.llm.LLMError`, or a dict of the table's columns."""
+        """One LLM request, answered or failed for good: `call` is an `agent.planners.llm_client.Reply`, an
+        `agent.planners.llm_client.LLMError`, or a dict of the table's columns."""
         failed = isinstance(call, BaseException)
         get = call.get if isinstance(call, dict) else lambda name, default=None: getattr(call, name, default)
         self._write(

@@ -20,7 +20,7 @@ from tools.runfolder import RunFolder
 from tools.trial import Candidate
 
 NOT_FASTER = "not faster than the original"
-"""How integration (agent/integrate.py) words a drop for speed rather than for accuracy."""
+"""How integration (agent/review/integrate.py) words a drop for speed rather than for accuracy."""
 
 
 class CandidateSkipped(Exception):
@@ -107,7 +107,7 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
                    ) -> tuple[list[Winner], dict[str, str], str, list[str]]:
     """(winners in the run's problem order, {region: why it has none}, 'integration'|'store',
     warnings)."""
-    from agent.loop import load_history
+    from agent.history import load_history
     problems = run.problems()
     if not problems:
         raise UserError(f"{run.path}: the run has no frozen problems")

@@ -1,7 +1,7 @@
 """Local executor: one sandbox worker per idle device of this machine, run in parallel.
 
 Devices are grouped by hardware generation. Every candidate is queued once per target
-generation (`agent.feed.Feed`), and any free lane of that generation takes it at once, so N
+generation (`agent.search.feed.Feed`), and any free lane of that generation takes it at once, so N
 devices of a generation give N trials at a time, and a slow trial holds up only its own lane. GPUs that already carry other people's work are left alone. The
 CPU is a device when there is no GPU. Before each launch the budget is asked; a launch that
 would pass the GPU-hours cap waits for the trials in flight, and is not started if it
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from agent.budget import Budget
-from agent.feed import Feed, LaneError, results_of
+from agent.search.budget import Budget
+from agent.search.feed import Feed, LaneError, results_of
 from sandbox.client import WorkerConfig
 from sandbox.spawn import spares_on
 from sandbox.pool import SEARCH_COMPILE_THREADS, DevicePool

@@ -18,7 +18,7 @@ A node serves generation `G` when it carries either
 
 Each worker actor is pinned to its node (node affinity, not soft), asks for `num_gpus=1` on
 GPU nodes (so Ray gives it its own `CUDA_VISIBLE_DEVICES`) and for one unit of `gen:G` (or a
-sliver, 0.001, of `accelerator_type:T`). Jobs come from the loop's feed (`agent.feed.Feed`),
+sliver, 0.001, of `accelerator_type:T`). Jobs come from the loop's feed (`agent.search.feed.Feed`),
 one queue per generation; a job is (candidate, generation), and the loop makes one per target
 generation; an actor slot takes the next one the moment it is free, so a candidate that
 passes on one generation is run on every other target before the loop can keep it
@@ -60,8 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from agent.budget import Budget
-from agent.feed import Feed, Job
+from agent.search.budget import Budget
+from agent.search.feed import Feed, Job
 from sandbox.runner import Limits
 from tools.trial import Candidate, Status, Trial
 from agent.executors.ray_cluster import (  # noqa: F401  (PoolSlot: re-exported for callers)
@@ -89,7 +89,7 @@ class _Flight:
 
 
 class RayExecutor:
-    """Executor protocol of `agent.loop` over a Ray cluster; see the module docstring."""
+    """Executor protocol of `agent.search.loop` over a Ray cluster; see the module docstring."""
 
     def __init__(self, problem_dirs: list[Path], address: str | None = None, targets: list[str] | None = None,
                  limits: Limits | None = None, memory_gb: float = 8.0, workers_per_device: int | None = None,

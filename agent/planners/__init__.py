@@ -45,7 +45,7 @@ def _build(name: str, options: dict) -> Planner:
     if name == "files":
         from agent.planners.files import FilesPlanner
         return FilesPlanner(**options)
-    from agent.llm import make_client
+    from agent.planners.llm_client import make_client
     from agent.planners.llm import LLMPlanner
     client = make_client(name, model=options.get("llm_model"), base_url=options.get("base_url"))
     return LLMPlanner(client, **options)

@@ -113,7 +113,7 @@ class LLMPlanner:
         if self.max_usd is not None and self.usd_spent() >= self.max_usd:
             return self._stop(f"dollar cap: ${self.usd_spent():.2f} spent of ${self.max_usd:.2f}", failure=False)
         messages = self._messages(problem, history, n)
-        from agent.llm import LLMError
+        from agent.planners.llm_client import LLMError
         system = render_prompt("llm/system.j2", tolerance_kind=problem.tolerance.kind)
         for ask in range(1, MAX_ASKS + 1):
             try:

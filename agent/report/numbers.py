@@ -138,3 +138,9 @@ def fmt_params(params: dict) -> str:
 def device_time(gpu_seconds: float, cpu_only: bool) -> str:
     h = gpu_seconds / 3600
     return f"{h:.4f} device-hours on the CPU" if cpu_only else f"{h:.4f} GPU-hours"
+
+
+def times(x: float) -> str:
+    """A speedup as read: two decimals, or two significant digits below 0.01x (a Triton kernel
+    under the CPU interpreter reads 0.004x, never "0.00x")."""
+    return f"{x:.2g}x" if 0 < x < 0.01 else f"{x:.2f}x"

@@ -24,7 +24,7 @@ class SkillError(Exception):
 
 def skill_text(name: str) -> str:
     """`SKILL.md` (Claude Code) or `AGENTS.md` (the Codex section), as shipped."""
-    return (Path(__file__).resolve().parent / "skill_files" / name).read_text(encoding="utf-8")
+    return (Path(__file__).resolve().parent.parent / "skill_files" / name).read_text(encoding="utf-8")
 
 
 def install(target: str, project_dir: Path, home: Path, user: bool = False) -> list[Path]:

@@ -1,5 +1,5 @@
 """SIGTERM and SIGHUP mean what Ctrl-C means: stop. Outside the search (which stops cleanly on
-its own, agent/tuning.py) they kill every sandbox worker this process started, then raise
+its own, agent/search/tuning.py) they kill every sandbox worker this process started, then raise
 KeyboardInterrupt, as SIGINT does, so every command unwinds the same way: half-made run folders
 removed, exit 130. Under `nohup` a hangup stays ignored, as nohup asked."""
 

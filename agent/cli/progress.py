@@ -1,6 +1,6 @@
 """What a person sees while a run goes, and what is left of it in the morning.
 
-On a terminal: the live progress table (agent/view.py). Without one (nohup, a pipe, a batch
+On a terminal: the live progress table (agent/cli/view.py). Without one (nohup, a pipe, a batch
 job): one line per finished trial, and a line every `interval` seconds while none finishes,
 each with the counts, the best so far and the budget left. The same lines, with the notes and
 the start and stop of every session, always go to runs/<run>/log.txt, flushed as written.
@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from agent.history import History
-from agent.view import budget_line, progress_rows, progress_table, times
+from agent.cli.view import budget_line, progress_rows, progress_table
+from agent.report.numbers import times
 from tools.problem import Problem
 from tools.trial import Trial
 

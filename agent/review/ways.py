@@ -4,8 +4,8 @@ Each way is a candidate for the run's whole-model problem: the model with winner
 (eagerly, captured in CUDA graphs, or under torch.compile as opaque ops), or torch.compile of
 the untouched model in one mode. `side_by_side` runs several, each in a worker of its own, all
 compiling at once with nothing timed meanwhile, then each verified and timed one after
-another. Integration (agent/integrate.py) and the compile baselines started beside a search
-(agent/early_baselines.py) both run their ways here.
+another. Integration (agent/review/integrate.py) and the compile baselines started beside a search
+(agent/review/early_baselines.py) both run their ways here.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from agent.compile_caches import CompileCaches
+from agent.review.compile_caches import CompileCaches
 from agent.errors import UserError
 from agent.flags import BASELINES
-from agent.jobs import resolve_device
+from agent.setup.jobs import resolve_device
 from agent.prompting import render_code
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
@@ -155,7 +155,7 @@ def side_by_side(pool: DevicePool, ways: list[tuple[str, Candidate]], on_step: C
     one draw of fresh inputs and perturbed parameters `draw` (a new one when not given). The
     reference worker's answers for it are dropped after, unless `keep_answers`. With
     `first_must_pass`, the others are not verified or timed when the first way fails. `caches`:
-    the compile caches each way's worker starts from (agent/compile_caches.py)."""
+    the compile caches each way's worker starts from (agent/review/compile_caches.py)."""
     runner = pool.runners[0]
     trials: dict[str, Trial] = {}
     draw = draw or (seed(), seed())

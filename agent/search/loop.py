@@ -1,6 +1,6 @@
 """The search loop: devices pull candidates as soon as they are free; the planner refills the queue.
 
-    feed = queue of (candidate, generation) jobs              agent.feed: lanes take, the loop puts
+    feed = queue of (candidate, generation) jobs              agent.search.feed: lanes take, the loop puts
     for trial in executor.run(feed):                           every lane takes the next job when free
         store.record(trial); history.add(trial)                on disk the moment each finishes
         if the feed runs low: plan in the background           planner.propose for every open region,
@@ -26,8 +26,8 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
-from agent.budget import Budget
-from agent.feed import Feed, Job
+from agent.search.budget import Budget
+from agent.search.feed import Feed, Job
 from agent.history import MAX_TUNER_DEATHS, History
 from agent.planners import Planner, PlannerFailed
 from tools.problem import Problem
@@ -61,20 +61,6 @@ class Outcome:
     planner_failure: str = ""
     """Why the planners could propose nothing more, when that was a failure (an API that kept
     failing, answers that could not be read, a planner that raised), not a finished search."""
-
-
-def load_history(run: RunFolder, problems: list[Problem], generations: list[str]) -> History:
-    history = History({p.name: p.target_generations or generations for p in problems})
-    if not run.check_store():
-        return history
-    store = run.store(readonly=True)
-    try:
-        for trial in store.trials():
-            history.add(trial)
-        history.interrupted = store.unfinished()
-    finally:
-        store.close()
-    return history
 
 
 def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Executor, budget: Budget,
@@ -206,7 +192,7 @@ def interleaved(candidates: list[Candidate]) -> list[Candidate]:
 
 class _BudgetedFeed(Feed):
     """The feed, telling the budget which region a lane takes a job of: executors launch by
-    device, and a launch is estimated by what that region's trials cost (agent/budget.py)."""
+    device, and a launch is estimated by what that region's trials cost (agent/search/budget.py)."""
 
     def __init__(self, generations: list[str], budget: Budget):
         super().__init__(generations)

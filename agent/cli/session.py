@@ -4,11 +4,11 @@ person can follow with or without a terminal, then integration and the report.
     refuse bad settings           before anything is profiled or touched
     profile and freeze (new run)  or open the run (--resume): its store must read, its lock be free
     hold the run's lock           a second tuner on the run is refused in one line
-    search                        agent/tuning.py; progress to the terminal and runs/<run>/log.txt
+    search                        agent/search/tuning.py; progress to the terminal and runs/<run>/log.txt
     integrate, report             unless interrupted; the report is written even then
 
 SIGTERM and SIGHUP are treated like Ctrl-C throughout: during the search they stop it cleanly
-(agent/tuning.py); before it (profiling) they interrupt like Ctrl-C, and the half-made run
+(agent/search/tuning.py); before it (profiling) they interrupt like Ctrl-C, and the half-made run
 folder is removed. Exit codes: 0 done; 1 the search could not run (no planner proposed
 anything, every planner failed); 130 interrupted.
 """
@@ -24,11 +24,12 @@ from agent import report
 from agent.errors import UserError
 from agent.flags import check_freeze_flags
 from agent.history import History
-from agent.loop import Outcome, load_history
-from agent.progress import Progress
-from agent.settings import SETTINGS_KEY, TuneSettings, recorded, resolve
-from agent.signals import signals_as_interrupts
-from agent.tuning import check_executor, check_planner, run_tune
+from agent.history import load_history
+from agent.search.loop import Outcome
+from agent.cli.progress import Progress
+from agent.search.settings import SETTINGS_KEY, TuneSettings, recorded, resolve
+from agent.search.signals import signals_as_interrupts
+from agent.search.tuning import check_executor, check_planner, run_tune
 from tools.problem import ProblemError
 from tools.runfolder import RunFolder, clean_stale_worker_dirs
 
@@ -110,7 +111,7 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
             _check_search(settings)
             check_freeze_flags(req.model, req.runs_dir, tolerance=req.tolerance, e2e_tolerance=req.e2e_tolerance,
                                region_tolerance=req.region_tolerance, max_regions=req.max_regions)
-            from agent.jobs import profile_and_freeze  # torch: only once the flags are known good
+            from agent.setup.jobs import profile_and_freeze  # torch: only once the flags are known good
             try:
                 res = profile_and_freeze(req.model, req.device, req.workload, req.runs_dir, tolerance=req.tolerance,
                                          stop_rule=settings.stop_rule, max_regions=req.max_regions,
@@ -285,13 +286,13 @@ def _integration_device(run: RunFolder, devices: str | None, baselines: bool | N
 
 def _early_baselines(run: RunFolder, devices: str | None, req: TuneRequest, note: Callable[[str], None],
                      on_step: Callable[[str], None], first_trial: threading.Event):
-    """The compile baselines started beside the search (agent/early_baselines.py) once its first
+    """The compile baselines started beside the search (agent/review/early_baselines.py) once its first
     trial ends, on a GPU when integration will time them; None otherwise, or when they cannot
     start (integration then runs them itself)."""
     device, on_gpu, want = _integration_device(run, devices, req.baselines)
     if not (req.integrate and on_gpu and want):
         return None
-    from agent.early_baselines import EarlyBaselines
+    from agent.review.early_baselines import EarlyBaselines
     try:
         early = EarlyBaselines(run, device, modes=req.compile_modes, on_step=on_step)
     except (UserError, ProblemError, OSError) as e:
@@ -306,7 +307,7 @@ def _integrate(run: RunFolder, devices: str | None, baselines: bool | None, note
                modes: list[str] | None = None):
     """Integration after a search: the result, or one line saying why there is none (a search
     that found something must not end in a traceback because the end-to-end check could not run)."""
-    from agent.integrate import IntegrationError, integrate
+    from agent.review.integrate import IntegrationError, integrate
     device, _, want = _integration_device(run, devices, baselines)
     try:
         return integrate(run, device, baselines=want, on_step=on_step, on_in_flight=on_in_flight,

@@ -18,7 +18,7 @@ as any region (sandbox/runner.py): load, verify, time.
         routing's Python); each compiled way runs, per region, its winner only where it beat
         torch.compile of the region
     the compile modes of the untouched model come from the search's early baselines where a
-    tune started them (agent/early_baselines.py)
+    tune started them (agent/review/early_baselines.py)
 
 The result is `runs/<run>/integration.json` (tools/e2e.py).
 """
@@ -30,12 +30,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from agent import dispatch
+from agent.review import dispatch
 from agent.history import CandidateRecord, History
-from agent.loop import load_history
-from agent.view import times
-from agent.compile_caches import CompileCaches
-from agent.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
+from agent.history import load_history
+from agent.report.numbers import times
+from agent.review.compile_caches import CompileCaches
+from agent.review.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
                         whole_model)
 from sandbox.pool import DevicePool
 from sandbox.runner import Limits, TrialRunner, seed
@@ -50,7 +50,7 @@ UNGRAPHED_WAY = "nightshift, no CUDA graphs"
 """The tuned model as routed, where its CUDA-graph capture was faster overall and is the one timed."""
 
 if TYPE_CHECKING:
-    from agent.early_baselines import EarlyBaselines
+    from agent.review.early_baselines import EarlyBaselines
 
 MAX_TRIES = 3
 """Kept candidates tried per region, best first."""
@@ -87,7 +87,7 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
     """`modes`: the torch.compile baselines to time (names of BASELINES; default all). `on_step`:
     a line per trial as it ends (what it was, its verdict, where its seconds went); `on_in_flight`
     gets a callable saying what the running ways are doing. `early`: the baselines started
-    beside the search (agent/early_baselines.py); the ways it finished are not run again.
+    beside the search (agent/review/early_baselines.py); the ways it finished are not run again.
     `reroute` (default: on a GPU, where regions are judged by their kernels' device time): where
     the tuned model was slower on some workloads, every way with our kernels again with the
     original's code on those (`_rerouted`)."""

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Callable
 
-from agent.compile_caches import CompileCaches
-from agent.ways import LIMITS, baseline_ways, side_by_side, whole_model
+from agent.review.compile_caches import CompileCaches
+from agent.review.ways import LIMITS, baseline_ways, side_by_side, whole_model
 from sandbox.pool import DevicePool
 from tools.runfolder import RunFolder
 from tools.trial import Status, Trial

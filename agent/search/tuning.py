@@ -14,11 +14,12 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Callable
 
-from agent.budget import Budget
+from agent.search.budget import Budget
 from agent.errors import UserError
-from agent.loop import Outcome, load_history, tune
+from agent.history import load_history
+from agent.search.loop import Outcome, tune
 from agent.planners import PlannerError, make_planner, planner_names
-from agent.signals import STOP_SIGNALS
+from agent.search.signals import STOP_SIGNALS
 from tools.problem import Problem, StopRule
 from tools.runfolder import RunFolder
 from tools.trial import Trial
@@ -74,7 +75,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
     generations the candidates were tried on (`outcome.generations`). `on_in_flight` gets a
     callable that says what the running trials are doing (for the progress line)."""
     from agent.executors.local import BUSY_NOTE, LocalExecutor, parse_devices  # torch: past the flags' checks
-    from agent.jobs import check_model_unchanged
+    from agent.setup.jobs import check_model_unchanged
     from sandbox.runner import Limits
     problems = run.problems()
     if not problems:

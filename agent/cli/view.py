@@ -7,13 +7,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from agent.history import History
+from agent.report.numbers import times
 from tools.problem import Problem
-
-
-def times(x: float) -> str:
-    """A speedup as read: two decimals, or two significant digits below 0.01x (a Triton kernel
-    under the CPU interpreter reads 0.004x, never "0.00x")."""
-    return f"{x:.2g}x" if 0 < x < 0.01 else f"{x:.2f}x"
 
 
 def progress_rows(problems: list[Problem], history: History) -> list[dict]:

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from agent.flags import BASELINES, parse_compile_modes
-from agent.json_stdout import claim as _stdout_for_json, emit as _emit_json
+from agent.cli.json_stdout import claim as _stdout_for_json, emit as _emit_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="nightshift: overnight, accuracy-gated search for faster GPU kernels.")
@@ -57,7 +57,7 @@ def _guard(fn):
             _fail(str(e))
         except ValidationError as e:
             _fail("; ".join(_validation_text(x) for x in e.errors()))
-        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/signals.py)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/search/signals.py)
             from sandbox.client import stop_all
             stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
             _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
@@ -97,7 +97,7 @@ def _names(text: Optional[str]) -> Optional[list[str]]:
 def doctor(json_out: bool = typer.Option(False, "--json", help="Machine-readable report."),
            refresh: bool = typer.Option(False, help="Measure the device ceilings again.")):
     """Check GPUs, versions, Triton, API keys (set or not, never shown) and measure device ceilings."""
-    from agent.doctor import render_doctor, run_doctor
+    from agent.setup.doctor import render_doctor, run_doctor
     report = run_doctor(refresh=refresh)
     _emit_json(report) if json_out else out.print(render_doctor(report))
     raise typer.Exit(0 if report["ok"] else 1)
@@ -127,7 +127,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
     check_freeze_flags(model, runs_dir, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
                        region_tolerance=region_tolerance, max_regions=max_regions, coverage=coverage,
                        freeze_problems=freeze)
-    from agent.jobs import native_stderr_without, profile_and_freeze
+    from agent.setup.jobs import native_stderr_without, profile_and_freeze
     from tools.profiler import render_hotspots, torch_profiler_table
     res = profile_and_freeze(model, device, workload, runs_dir, tolerance=tolerance,
                              region_tolerance=region_tolerance, coverage=coverage, max_regions=max_regions,
@@ -163,8 +163,8 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
     from tools.runfolder import RunFolder
     if (target / "run.json").is_file():  # a damaged run is named before torch's import, as by try_candidate
         RunFolder.open(target).check_store()
-    from agent.jobs import try_candidate
-    from agent.view import trial_lines
+    from agent.setup.jobs import try_candidate
+    from agent.cli.view import trial_lines
     trial = try_candidate(target, candidate, region, device)
     if json_out:
         _emit_json(trial.model_dump(mode="json"))
@@ -224,9 +224,9 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     _no_jail(no_jail)
     modes = parse_compile_modes(compile_modes)
     if resume is not None and model is None:  # its integration runs the winners of every earlier session's planners
-        from agent.jobs import check_run_jail
+        from agent.setup.jobs import check_run_jail
         check_run_jail(resume)
-    from agent.session import TuneRequest, tune_session
+    from agent.cli.session import TuneRequest, tune_session
     given = {"planner": planner, "llm_model": llm_model, "base_url": base_url, "devices": devices,
              "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
              "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd,
@@ -266,13 +266,13 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
     """Apply the winners to the whole model, check it against the frozen model outputs, time it."""
     _no_jail(no_jail)
     modes = parse_compile_modes(compile_modes)
-    from agent.session import cuda_run
+    from agent.cli.session import cuda_run
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
     folder.check_store()
-    from agent.jobs import check_run_jail
+    from agent.setup.jobs import check_run_jail
     check_run_jail(run)
-    from agent.integrate import IntegrationError, integrate
+    from agent.review.integrate import IntegrationError, integrate
     from agent.report.integration_view import render
     want = baselines if baselines is not None else (
         (device or "").startswith("cuda") or (not device and cuda_run(folder)))
@@ -293,8 +293,8 @@ def status(run: Path = typer.Argument(..., help="Run folder (may be running else
            json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Progress of a run: whether it is running or stopped (and why), per region trials, passing,
     best speedup, error vs tolerance, budget."""
-    from agent.loop import load_history
-    from agent.view import budget_line, progress_rows, progress_table, run_status
+    from agent.history import load_history
+    from agent.cli.view import budget_line, progress_rows, progress_table, run_status
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
     problems = folder.problems()
@@ -359,7 +359,7 @@ def skill_install(claude: bool = typer.Option(False, "--claude", help="Claude Co
                   project: Path = typer.Option(Path("."), "--project", help="Project folder (default: here)."),
                   json_out: bool = typer.Option(False, "--json", help="The files written, as JSON.")):
     """Install the skill for Claude Code and/or Codex (default: both) into a project or your home."""
-    from agent.skill import SkillError, install
+    from agent.setup.skill import SkillError, install
     targets = [t for t, chosen in (("claude", claude), ("codex", codex)) if chosen] or ["claude", "codex"]
     try:
         written = [p for t in targets for p in install(t, project, Path.home(), user=user)]
@@ -374,7 +374,7 @@ def skill_install(claude: bool = typer.Option(False, "--claude", help="Claude Co
 
 def main(argv: list[str] | None = None) -> None:
     """The `agent` command: a parse error is one `error:` line and exit 2, like any bad input."""
-    from agent.signals import signals_as_interrupts
+    from agent.search.signals import signals_as_interrupts
     try:
         with signals_as_interrupts():  # SIGTERM and SIGHUP stop any command as Ctrl-C does
             code = app(args=argv, standalone_mode=False)
