@@ -93,6 +93,8 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
             speedup, floor_hit = weighted_speedup(lp.problem, timings), _below_floor(lp, timings)
             flags.append(f"speedup above {lim.retime_above:g}x: re-timed, {speedup:.2f}x")
     except Refused as e:
+        # Judged by what refused it: the frozen inputs' passing error is not a rejection's error.
+        numbers = {**numbers, "max_abs": None, "max_rel": None, "error": e.error}
         if e.reply is not None:
             return r._fail(c, lp, e.reply, **numbers)
         if e.kind == "suspicious":
@@ -111,7 +113,8 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
                      "small calls), so it was timed by that clock")
     if floor_hit:
         return r._suspicious(c, lp, f"faster than the roofline floor on {floor_hit}: impossible, so not trusted",
-                             timings=timings, speedup=speedup, noise_band=band, flags=flags, **numbers)
+                             timings=timings, speedup=speedup, noise_band=band, flags=flags,
+                             **{**numbers, "max_abs": None, "max_rel": None, "error": None})
     return Trial(**r._base(c, lp), status=Status.ok, reason="within tolerance", timings=timings, speedup=speedup,
                  noise_band=band, flags=flags, **numbers)
 
