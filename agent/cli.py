@@ -143,11 +143,8 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
         with native_stderr_without("USDT:"):  # torch's profiler chatter on file descriptor 2
             table = torch_profiler_table(load_model(model, res.result.device), res.result.device, workload)
         out.print(table)
-    for p in res.problems:
-        _say(f"froze {p.name} ({p.region_path}, {p.share_of_model:.0%} of time), tolerance {p.tolerance}")
-    for name, why in res.skipped.items():
-        _say(f"skipped {name}: {why}")
-    _say(f"run folder: {res.run.path}  (trace.json opens in Perfetto)")
+    for line in res.lines():
+        _say(line)
 
 
 @app.command("try")
