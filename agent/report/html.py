@@ -13,8 +13,8 @@ from pygments.lexers import PythonLexer
 from pygments.styles import get_style_by_name
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import (device_time, e2e_speedup, e2e_verdict, fmt_err, fmt_params, fmt_ms, fmt_speedup,
-                                  standings, tidy, weighted_totals, within)
+from agent.report.numbers import (cpu_headline, device_time, e2e_speedup, e2e_verdict, fmt_err, fmt_params, fmt_ms,
+                                  fmt_speedup, standings, tidy, weighted_totals, within)
 from agent.report.plots import plots
 
 MAX_DIFF_LINES = 600
@@ -122,9 +122,10 @@ def _summary(data: ReportData) -> list[str]:
     said = e2e_verdict(res) if res else ""
     e2e = (f"{sp:.2f}x" if said != "no change" else f"no change ({sp:.2f}x)") if sp else "not yet"
     e2e_key = ("end-to-end speedup, weighted" + (f", A/A noise band ±{res.noise_band or 0.0:.1%}" if sp else "")
-               + (" (CPU timing)" if res.timing_kind == "cpu" else "")) if res else \
-        "end to end: integration has not run yet"
+               ) if res else "end to end: integration has not run yet"
     outside = [w.name for w in res.workloads if within(w.error, w.tolerance) is False] if res else []
+    if res is not None and res.timing_kind == "cpu":  # correctness only: a CPU timing is no speedup
+        e2e, e2e_key = "correctness only", escape(cpu_headline(res))
     if outside:
         e2e_key += f'; <span class="bad">error outside the tolerance on {escape(", ".join(outside))}</span>'
     out = ['<section id="summary"><h2>Summary</h2>', '<div class="cards">', _card(escape(e2e), e2e_key),
@@ -187,12 +188,15 @@ def _overview(data: ReportData) -> str:
         b, p = r.best, r.problem
         err = _err(next(iter(b.by_generation.values())).error, str(p.tolerance)) if b else f"- / {escape(str(p.tolerance))}"
         per_gen = ", ".join(f"{escape(g)} {s:.2f}x ({data.kind(g)})" for g, s in sorted(b.speedups().items())) if b else "-"
+        speed = ([f"<code>{escape(b.candidate_hash)}</code>" if b else "-"] if data.cpu_only else
+                 [f"<b>{r.score:.2f}x</b>" if b else "-", per_gen])
         rows.append([f'<a href="#region-{escape(p.name)}">{escape(p.name)}</a>', f"{p.share_of_model:.0%}",
-                     str(sum(r.counts.values())), str(r.counts.get("ok", 0)), str(r.kept),
-                     f"<b>{r.score:.2f}x</b>" if b else "-", per_gen, err,
+                     str(sum(r.counts.values())), str(r.counts.get("ok", 0)), str(r.kept), *speed, err,
                      escape(f"{b.planner} / {b.template or '-'}") if b else "-"])
-    return _table(["region", "share of model", "trials", "passed", "kept", "best speedup", "per generation",
-                   "error / tolerance", "planner / template"], rows, {1, 2, 3, 4, 5}) if rows else ""
+    # A CPU run shows correctness only: its best candidate, never a speedup.
+    speed = ["best candidate (CPU run: correctness only)"] if data.cpu_only else ["best speedup", "per generation"]
+    return _table(["region", "share of model", "trials", "passed", "kept", *speed, "error / tolerance",
+                   "planner / template"], rows, {1, 2, 3, 4, 5}) if rows else ""
 
 
 def _region(data: ReportData, r: RegionView) -> str:
@@ -206,7 +210,8 @@ def _region(data: ReportData, r: RegionView) -> str:
         return "\n".join(out + ["<p>No candidate passed the tolerance on every target generation yet.</p></section>"])
     per_gen = ", ".join(f"{escape(g)} {s:.2f}x ({data.kind(g)} timing)" for g, s in sorted(b.speedups().items()))
     params = f" with <code>{escape(fmt_params(b.params))}</code>" if fmt_params(b.params) else ""
-    out.append(f"<p>Best: <b>{r.score:.2f}x</b> ({per_gen}) — <code>{escape(b.candidate_hash)}</code>, found by "
+    score = "" if data.cpu_only else f"<b>{r.score:.2f}x</b> ({per_gen}) — "
+    out.append(f"<p>Best: {score}<code>{escape(b.candidate_hash)}</code>, found by "
                f"planner <b>{escape(b.planner)}</b>, template <b>{escape(b.template or '-')}</b>{params}.</p>")
     rows = []
     for g, t in sorted(b.by_generation.items()):
@@ -241,7 +246,7 @@ def _rejected(data: ReportData) -> list[str]:
             shown = trials[-MAX_EXAMPLES:]
             label = escape(status) + (f" (last {len(shown)} of {len(trials)})" if len(trials) > len(shown) else "")
             rows += [[f"<code>{escape(t.candidate_hash)}</code>", escape(f"{t.planner} / {t.template or '-'}"),
-                      escape(t.generation), label, escape(tidy(t.reason)[:240])] for t in shown]
+                      escape(t.generation), label, escape(tidy(t.reason))] for t in shown]
         out.append(_table(["candidate", "planner / template", "generation", "status", "reason"], rows))
     if not any(r.rejected for r in data.regions):
         out.append("<p>None rejected.</p>")

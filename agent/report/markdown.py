@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import (device_time, e2e_headline, fmt_err, fmt_ms, fmt_params, fmt_speedup, standings, tidy,
-                                  weighted_totals, within)
+from agent.report.numbers import (cpu_headline, device_time, e2e_headline, fmt_err, fmt_ms, fmt_params, fmt_speedup,
+                                  standings, tidy, weighted_totals, within)
 
 
 def render_md(data: ReportData, images: dict[str, str] | None = None) -> str:
@@ -17,19 +17,21 @@ def render_md(data: ReportData, images: dict[str, str] | None = None) -> str:
     L += [f"**Planner stopped:** {tidy(why)}" for why in data.planner_stops]
     L += ([""] if data.planner_stops else []) + ["## End to end", ""]
     L += _md_integration(data) + _md_totals(data)
-    L += ["", "## Regions", "",
-          "| region | share of model | trials | passing | best speedup | per generation | error / tolerance | template |",
-          "|---|---|---|---|---|---|---|---|"]
+    # A CPU run shows correctness only: its best candidate, never a speedup.
+    speed = "best candidate (CPU run: correctness only)" if data.cpu_only else "best speedup | per generation"
+    L += ["", "## Regions", "", f"| region | share of model | trials | passing | {speed} | error / tolerance | template |",
+          "|---|---|---|---|---|---|---|" + ("" if data.cpu_only else "---|")]
     for r in data.regions:
         p, best, counts = r.problem, r.best, r.counts
         if best:
             per_gen = ", ".join(f"{g} {s:.2f}x ({data.kind(g)})" for g, s in sorted(best.speedups().items()))
             err = next(iter(best.by_generation.values())).error
+            won = f"`{best.candidate_hash}`" if data.cpu_only else f"{r.score:.2f}x | {per_gen}"
             L.append(f"| {p.name} | {p.share_of_model:.0%} | {sum(counts.values())} | {counts.get('ok', 0)} | "
-                     f"{r.score:.2f}x | {per_gen} | {fmt_err(err, str(p.tolerance))} | {best.template or '-'} |")
+                     f"{won} | {fmt_err(err, str(p.tolerance))} | {best.template or '-'} |")
         else:
-            L.append(f"| {p.name} | {p.share_of_model:.0%} | {sum(counts.values())} | {counts.get('ok', 0)} | - | - | "
-                     f"- / {p.tolerance} | - |")
+            L.append(f"| {p.name} | {p.share_of_model:.0%} | {sum(counts.values())} | {counts.get('ok', 0)} | - | "
+                     + ("" if data.cpu_only else "- | ") + f"- / {p.tolerance} | - |")
     if images:
         L += [""] + [f"![{alt}]({src})" for alt, src in images.items()]
     for r in data.regions:
@@ -45,7 +47,7 @@ def render_md(data: ReportData, images: dict[str, str] | None = None) -> str:
             L.append(f"  - {status}{more}:")
             for t in shown:
                 L.append(f"    - `{t.candidate_hash}` ({t.planner}/{t.template or '-'}, {t.generation}): "
-                         f"{tidy(t.reason)[:160]}")
+                         f"{tidy(t.reason)}")  # whole: a reason cut short says something else
     for name, why in info.skipped.items():
         L.append(f"- region {name} was not frozen: {tidy(why)}")
     return "\n".join(L) + "\n"
@@ -58,7 +60,7 @@ def _md_integration(data: ReportData) -> list[str]:
     kind = "CPU timings, not GPU numbers" if res.timing_kind == "cpu" else "GPU timings"
     unit = "CPU ms" if res.timing_kind == "cpu" else "ms"
     L = [f"On {res.device_name or res.device} (generation {res.generation or '?'}; {kind}): "
-         + e2e_headline(res)
+         + (f"**correctness only**: {cpu_headline(res)}" if res.timing_kind == "cpu" else e2e_headline(res))
          + "".join(f" The error is OUTSIDE the tolerance on {w.name}." for w in res.workloads
                    if within(w.error, w.tolerance) is False), "",
          f"| workload | generation | eager {unit} | tuned {unit} | speedup | error / tolerance | fastest |",
@@ -108,7 +110,8 @@ def _md_region(data: ReportData, r: RegionView) -> list[str]:
     b, unit = r.best, "CPU ms" if data.cpu_only else "ms"
     params = fmt_params(b.params)
     L += ["", f"Best: `{b.candidate_hash}` from planner {b.planner}, template {b.template or '-'}"
-          + (f" ({params})" if params else "") + f" · speedup {r.score:.2f}x (smallest over generations)", "",
+          + (f" ({params})" if params else "")
+          + ("" if data.cpu_only else f" · speedup {r.score:.2f}x (smallest over generations)"), "",
           f"| generation | workload | weight | baseline {unit} | best {unit} | speedup | error / tolerance |",
           "|---|---|---|---|---|---|---|"]
     for g, t in sorted(b.by_generation.items()):
