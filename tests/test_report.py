@@ -411,3 +411,19 @@ def test_a_long_rejection_reason_is_shown_whole(tuned, tmp_path):
     md = (run / "report.md").read_text()
     assert reason in md and "ignored_parameter 1" in md
     assert escape(reason) in (run / "report.html").read_text()
+
+
+def test_status_on_a_cpu_run_shows_correctness_and_no_speedup():
+    from rich.console import Console
+
+    from agent.view import progress_table
+    rows = [{"region": "GatedNorm", "trials": 4, "passing": 2, "kept": 2, "best_speedup": 1.29,
+             "best_by_generation": {"cpu": 1.29}, "best_error": 0.0, "tolerance": "abs 0.0001",
+             "best_template": None, "failures": {"ignored_parameter": 2}}]
+    shown = {}
+    for kind in ("cpu", "cuda"):
+        console = Console(width=200, record=True)
+        console.print(progress_table(rows, kind, "budget"))
+        shown[kind] = console.export_text()
+    assert "1.29x" not in shown["cpu"] and "correctness only" in shown["cpu"] and "ignored_parameter 2" in shown["cpu"]
+    assert "1.29x" in shown["cuda"] and "best speedup" in shown["cuda"]
