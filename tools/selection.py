@@ -209,7 +209,8 @@ def not_frozen(result: ProfileResult, frozen: set[str], failed: dict[str, str], 
         if asked:
             out[v.class_name] = f"not in --regions ({', '.join(asked)})"
         else:
-            hint = "" if builtin or v.share < MIN_REGION_SHARE else f"; --regions {v.class_name} freezes it instead"
+            can = not builtin and v.share > 0 and not v.reason.startswith(("a container", "the model already runs"))
+            hint = f"; --regions {v.class_name} freezes it instead" if can else ""
             out[v.class_name] = f"not chosen: {v.reason}{hint}"
     for name, qualname in model_classes.items():
         if name not in out and name not in frozen and not qualname.startswith("torch."):
