@@ -110,7 +110,7 @@ def status_of(folder) -> tuple[dict, str]:
 def trial_lines(trial) -> list[str]:
     """`agent try`'s verdict for a person: status and reason, error against the tolerance,
     per-workload timings labelled CPU or GPU, flags, and the error text of a rejection."""
-    lines = [f"{trial.status.value}: {trial.reason}"]
+    lines = [f"{trial.status.value}: {trial.reason}" if trial.reason else trial.status.value]
     if trial.error is not None:
         fresh = "n/a" if trial.fresh_error is None else f"{trial.fresh_error:.3g}"
         lines.append(f"error {trial.error:.3g} vs tolerance {trial.tolerance}; fresh inputs {fresh}")

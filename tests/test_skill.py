@@ -309,3 +309,21 @@ def test_the_status_tables_name_every_status_and_only_real_ones(name):
     assert statuses - {"ok"} <= named, statuses - named
     code = {"error_text", "region_source", "called_sources", "other", "_version"}  # step 6's advice, not statuses
     assert named - code <= statuses, named - code - statuses
+
+
+def test_the_region_rule_skill_md_states_is_the_one_the_default_freezing_follows():
+    """SKILL.md tells an agent which region the default freezes, so it works on what was frozen:
+    its numbers are the defaults of `agent profile` and of the selection."""
+    import inspect
+
+    import typer
+
+    from agent.cli import app
+    from tools import selection
+    profile = typer.main.get_command(app).commands["profile"]
+    defaults = {p.name: p.default for p in profile.params}
+    rule = " ".join(SKILL[SKILL.index("How the default chooses"):SKILL.index("## 3.")].split())
+    assert f"{defaults['coverage']:.0%} of the time" in rule and f"at most {defaults['max_regions']}" in rule
+    assert f"at least {selection.OWN_SHARE:.0%} of its time" in rule
+    assert inspect.signature(selection.select_regions).parameters["coverage"].default == defaults["coverage"]
+    assert "the model's own classes before torch's layers" in rule and "its parts are frozen instead" in rule
