@@ -25,8 +25,8 @@ from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
 from tools.problem import Problem, StopRule
 from tools.profiler import ProfileResult, profile_model, select_regions
-from tools.selection import not_frozen
 from tools.runfolder import RunFolder, RunInfo
+from tools.selection import not_frozen
 from tools.trial import Candidate, Trial
 
 
@@ -129,7 +129,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                 choices = [RegionChoice(r.class_name, r.share, tuple(k.name for k in r.top_kernels),
                                         _per_workload_ms(result, r.qualname)) for r in rows
                            if r.class_name not in tried]
-            # Why every class of the user's (every class, when nothing was frozen) is not a problem.
+            # Why each class of the model's own code (each class, when nothing was frozen) is no problem.
             classes = {type(m).__name__: f"{type(m).__module__}.{type(m).__qualname__}"
                        for m in loaded.model.modules()}
             skipped = not_frozen(result, {p.region_class for p in problems}, {s.class_name: s.reason for s in skips},
