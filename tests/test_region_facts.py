@@ -24,15 +24,15 @@ GATED = textwrap.dedent('''
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-    class GatedNorm(nn.Module):
+    class GatedNorm(nn.Module):  # no submodule: the model is then one fusion unit, whatever the timings
         def __init__(self, dim, eps=1e-6):
             super().__init__()
             self.weight = nn.Parameter(torch.ones(dim))
-            self.gate = nn.Linear(dim, dim)
+            self.gate_w, self.gate_b = nn.Parameter(torch.randn(dim, dim) / dim ** 0.5), nn.Parameter(torch.zeros(dim))
             self.eps = eps
 
         def forward(self, x):
-            return rms(x, self.eps) * self.weight * torch.sigmoid(self.gate(x))
+            return rms(x, self.eps) * self.weight * torch.sigmoid(nn.functional.linear(x, self.gate_w, self.gate_b))
 
 
     class Spare(nn.Module):  # built, never called
@@ -75,7 +75,8 @@ def test_a_frozen_region_carries_the_source_of_the_user_code_it_calls(profiled):
     called = saved["called_sources"]
     assert model.region_path == "" and "self.proj(self.norm(x)) + x" in saved["region_source"]
     # The math of the module it calls and of the function that one calls; torch's Linear is not there.
-    assert "torch.sigmoid(self.gate(x))" in called["GatedNorm"] and "def rms(x, eps)" in called["rms"]
+    assert "torch.sigmoid(nn.functional.linear(x, self.gate_w" in called["GatedNorm"]
+    assert "def rms(x, eps)" in called["rms"]
     assert set(called) == {"GatedNorm", "rms", "Spare"}, set(called)  # Spare: built in it, though never called
     (norm,) = asked.problems
     assert set(norm.called_sources) == {"rms"}
@@ -84,8 +85,10 @@ def test_a_frozen_region_carries_the_source_of_the_user_code_it_calls(profiled):
 def test_skipped_names_every_user_class_not_frozen_and_why(profiled):
     default, asked = profiled
     assert [p.region_class for p in default.problems] == ["Model"]
-    assert "overlaps Model" in default.skipped["GatedNorm"]
-    assert "--regions GatedNorm" in default.skipped["GatedNorm"]  # how to work on it instead
+    # Why (it overlaps Model, or on a loaded CPU reads too small: tests/test_selection.py has the
+    # reasons on a synthetic profile), and how to work on it instead.
+    assert default.skipped["GatedNorm"].startswith("not chosen: ")
+    assert default.skipped["GatedNorm"].endswith("; --regions GatedNorm freezes it instead")
     assert "not called" in default.skipped["Spare"]
     assert "Linear" not in default.skipped  # torch's own classes are not the user's to choose
     assert asked.skipped["Model"] == "not in --regions (GatedNorm)"
@@ -133,5 +136,5 @@ def test_a_gated_product_is_not_labelled_silu_and_silu_written_out_is():
 def test_the_frozen_graph_of_a_gated_model_says_sigmoid(profiled):
     default, _ = profiled
     (model,) = default.problems
-    gate = next(m for m in model.graph["matmuls"] if m["weight"] == "norm.gate.weight")
+    gate = next(m for m in model.graph["matmuls"] if m["weight"] == "norm.gate_w")
     assert gate["act"] == "sigmoid", model.graph["matmuls"]

@@ -218,7 +218,8 @@ def test_following_skill_md_from_a_model_file_to_a_reviewable_patch(tmp_path):
             expected = {int(said.group(1))} if said else {0}
             if said and torch.cuda.is_available():  # the exception is a CPU-only machine's
                 expected = {0, 1}
-            assert result.returncode in expected, (line, result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+            assert result.returncode in expected, (line, result.returncode, result.stdout[-2000:],
+                                                   result.stderr[-2000:])
             assert "Traceback" not in result.stderr, (line, result.stderr[-3000:])
             words = line.split()
             step = " ".join(words[:2]) if words[0] == "agent" else words[0]
@@ -246,7 +247,8 @@ def test_following_skill_md_from_a_model_file_to_a_reviewable_patch(tmp_path):
                     assert whole["region_path"] == "" and "self.weight * x32" in whole["called_sources"]["RMSNorm"]
                     seen.append(whole)
                 else:
-                    assert data["problems"] == ["RMSNorm"] and data["skipped"] == {"Model": "not in --regions (RMSNorm)"}
+                    assert data["problems"] == ["RMSNorm"]
+                    assert data["skipped"] == {"Model": "not in --regions (RMSNorm)"}
             elif step == "cat":
                 (workload,) = data["workloads"]
                 assert {"shape", "dtype", "stride"} <= workload["outputs"][0].keys()

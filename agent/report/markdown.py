@@ -19,7 +19,8 @@ def render_md(data: ReportData, images: dict[str, str] | None = None) -> str:
     L += _md_integration(data) + _md_totals(data)
     # A CPU run shows correctness only: its best candidate, never a speedup.
     speed = "best candidate (CPU run: correctness only)" if data.cpu_only else "best speedup | per generation"
-    L += ["", "## Regions", "", f"| region | share of model | trials | passing | {speed} | error / tolerance | template |",
+    L += ["", "## Regions", "",
+          f"| region | share of model | trials | passing | {speed} | error / tolerance | template |",
           "|---|---|---|---|---|---|---|" + ("" if data.cpu_only else "---|")]
     for r in data.regions:
         p, best, counts = r.problem, r.best, r.counts

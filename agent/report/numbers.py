@@ -68,7 +68,8 @@ def cpu_headline(result: IntegrationResult) -> str:
     what = (f"with {applied} applied the model" if applied else
             "nothing was applied (no candidate was faster beyond its noise band), so the model is the original and")
     outside = [w.name for w in result.workloads if within(w.error, w.tolerance) is False]
-    right = f"is OUTSIDE the tolerance on {', '.join(outside)}" if outside else "is within the tolerance on every workload"
+    right = (f"is OUTSIDE the tolerance on {', '.join(outside)}" if outside else
+             "is within the tolerance on every workload")
     return f"{what} {right}. CPU timings say nothing about GPU speed: no speedup is claimed."
 
 
