@@ -298,8 +298,8 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
         fresh_err = max(fresh_err, err)
         if err > scaled.value:
             return Verdict(Status.hardcoded, f"within tolerance on the frozen inputs but error {err:.3g} > tolerance "
-                           f"{scaled} on fresh inputs drawn from input set {i}: the answer does not come from the "
-                           "inputs", *_failed(d, scaled), fresh_error=err)
+                           f"{_said(scaled, tol)} on fresh inputs drawn from input set {i}: the answer does not come "
+                           "from the inputs", *_failed(d, scaled), fresh_error=err)
     if ev.perturbed is not None:
         i = ev.perturbed_set
         tol = problem.tolerance_for(i)
@@ -309,9 +309,9 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
         err = math.inf if d is None or d.bad_nonfinite else d.error(scaled)
         if err > scaled.value:
             return Verdict(Status.ignored_parameter, f"within tolerance with the frozen parameters but error {err:.3g} "
-                           f"> tolerance {scaled} with perturbed ones: the answer does not follow the module's "
-                           "parameters (one is ignored, assumed to be 1 or 0, or kept from an earlier call: they were "
-                           "changed in place, so key a derived copy on each tensor's _version)",
+                           f"> tolerance {_said(scaled, tol)} with perturbed ones: the answer does not follow the "
+                           "module's parameters (one is ignored, assumed to be 1 or 0, or kept from an earlier call: "
+                           "they were changed in place, so key a derived copy on each tensor's _version)",
                            *_failed(d, scaled), fresh_error=fresh_err)
     return Verdict(Status.ok, "within tolerance", *_numbers(worst, worst_tol), fresh_error=fresh_err, per_set=per_set)
 
@@ -355,6 +355,13 @@ def _leaves(x) -> list:
 
 def _numbers(d: Diff, tol: Tolerance) -> tuple[float, float, float]:
     return d.max_abs, (d.max_abs / d.ref_max if d.ref_max else 0.0), d.error(tol)
+
+
+def _said(scaled: Tolerance, tol: Tolerance) -> str:
+    """A tolerance as a reason gives it: one scaled to larger outputs says so."""
+    if scaled.value == tol.value:
+        return str(tol)
+    return f"{scaled.kind} {scaled.value:.3g} ({tol} scaled to these outputs' magnitude)"
 
 
 def _failed(d: Diff | None, tol: Tolerance) -> tuple[float | None, float | None, float]:
