@@ -39,11 +39,12 @@ class CheckingRunner(Protocol):
 
 
 class Refused(Exception):
-    """A timing a check refused: the trial's status (`kind`) and why; `reply`, a worker's failure."""
+    """A timing a check refused: the trial's status (`kind`) and why; `reply`, a worker's failure;
+    `error`, the error beyond the tolerance where that is what refused it."""
 
-    def __init__(self, trial_kind: str, reason: str, reply: "Reply | None" = None):
+    def __init__(self, trial_kind: str, reason: str, reply: "Reply | None" = None, error: float | None = None):
         super().__init__(reason)
-        self.kind, self.reason, self.reply = trial_kind, reason, reply
+        self.kind, self.reason, self.reply, self.error = trial_kind, reason, reply, error
 
 
 def elements(lp: Loaded, i: int) -> int:
@@ -110,4 +111,4 @@ def compare(lp: Loaded, i: int, j: int, s: int, got: Any, want: Any, claimed: fl
     tol = p.tolerance_for(i)
     if not err <= tol.value:
         raise Refused("wrong", f"timed repetition {j} on {p.workloads[i].name}: error {err:.3g} > tolerance {tol} "
-                      "(it behaves differently when timed, or caches answers)")
+                      "(it behaves differently when timed, or caches answers)", error=err)

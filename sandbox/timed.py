@@ -115,6 +115,8 @@ def time_trial(r: TimingRunner, c: Candidate, lp: Loaded, numbers: dict) -> Tria
             speedup, floor_hit = weighted_speedup(lp.problem, timings), _below_floor(lp, timings)
             flags.append(f"speedup above {lim.retime_above:g}x: re-timed, {speedup:.2f}x")
     except Refused as e:
+        # Judged by what refused it: the frozen inputs' passing error is not a rejection's error.
+        numbers = {**numbers, "max_abs": None, "max_rel": None, "error": e.error}
         if e.reply is not None:
             return r.failed(c, lp, e.reply, **numbers)
         if e.kind == "suspicious":
@@ -133,7 +135,8 @@ def time_trial(r: TimingRunner, c: Candidate, lp: Loaded, numbers: dict) -> Tria
                      "small calls), so it was timed by that clock")
     if floor_hit:
         return r.suspicious(c, lp, f"faster than the roofline floor on {floor_hit}: impossible, so not trusted",
-                             timings=timings, speedup=speedup, noise_band=band, flags=flags, **numbers)
+                             timings=timings, speedup=speedup, noise_band=band, flags=flags,
+                             **{**numbers, "max_abs": None, "max_rel": None, "error": None})
     return Trial(**r.trial_fields(c, lp), status=Status.ok, reason="within tolerance", timings=timings, speedup=speedup,
                  noise_band=band, flags=flags, **numbers)
 

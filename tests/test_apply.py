@@ -260,7 +260,7 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if not p.name.endswith(("-wal", "-shm")))
 
 
-def test_dry_run_prints_the_patch_and_writes_nothing(fresh):
+def test_dry_run_prints_the_code_and_the_patch_and_writes_nothing(fresh):
     run, model = fresh
     before = _files(run.parent.parent)
     result = agent("apply", run, "--dry-run")
@@ -268,8 +268,51 @@ def test_dry_run_prints_the_patch_and_writes_nothing(fresh):
     assert "+# nightshift: route tuned regions through llama_nightshift.py (run llama-test)" in result.stdout
     assert f"would write {model.parent / 'llama_nightshift.py'}" in result.stdout
     assert f"would write {run / 'patches' / 'llama.patch'}" in result.stdout
+    as_json = json.loads(agent("apply", run, "--dry-run", "--json").stdout)
     assert _files(run.parent.parent) == before
     assert model.read_text() == EXAMPLE.read_text()
+    # The code it would write is shown, not only its file's name: the kernels themselves.
+    code = as_json["kernels_module_source"]
+    assert "def _LlamaRMSNorm__rmsnorm(" in code and "def install(" in code
+    assert code.rstrip("\n") in result.stdout
+    written = apply_run(run)
+    assert Path(written.kernels_module).read_text() == code == written.kernels_module_source
+
+
+def test_nothing_faster_is_a_verdict_and_allow_slower_warns_for_each(fresh):
+    """A CPU run: integration found nothing faster. The dry run says why and how to see the patch
+    anyway, exit 1 (a verdict, not an error); --allow-slower applies each with a warning, in --json too."""
+    run, model = fresh
+    slow = "not faster than the original beyond the noise band (best kept 1.11x)"
+    IntegrationResult(device="cpu", timing_kind="cpu", dropped=[
+        DroppedCandidate(region="LlamaRMSNorm", candidate_hash=Candidate(region="", source=RMSNORM).hash, reason=slow),
+        DroppedCandidate(region="LlamaMLP", candidate_hash=Candidate(region="", source=MLP).hash, reason=slow)],
+    ).save(run)
+    result = agent("apply", run, "--dry-run")
+    assert result.returncode == 1 and result.stderr == "", result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("nothing to apply: no region has a candidate faster than the original") and \
+        "Not an error" in last and "--allow-slower" in last, last
+    data = json.loads(agent("apply", run, "--dry-run", "--json").stdout)
+    assert data["regions"] == [] and data["note"] == last
+    result = agent("apply", run, "--dry-run", "--allow-slower", "--json")
+    data = json.loads(result.stdout)
+    assert result.returncode == 0 and [r["region"] for r in data["regions"]] == ["LlamaMLP", "LlamaRMSNorm"]
+    assert len(data["warnings"]) == 2 and all("--allow-slower" in w for w in data["warnings"]), data["warnings"]
+    assert {w.split(":")[0] for w in data["warnings"]} == {"LlamaMLP", "LlamaRMSNorm"}
+
+
+def test_a_store_winner_inside_its_noise_band_is_not_faster(fresh):
+    """Without integration.json the store's best decides: one inside its A/A band is no win."""
+    run, model = fresh
+    store = RunFolder(run).store()
+    for t in store.trials():
+        store.record(t.model_copy(update={"noise_band": 3.0}))  # every speedup here is within ±300%
+    store.close()
+    res = apply_run(run, ["LlamaMLP"])
+    assert res.regions == [] and "inside its noise band" in res.skipped["LlamaMLP"], res.skipped
+    slower = apply_run(run, ["LlamaMLP"], dry_run=True, allow_slower=True)
+    assert [r["region"] for r in slower.regions] == ["LlamaMLP"] and len(slower.warnings) == 1, slower.warnings
 
 
 def test_applying_twice_is_harmless(fresh):

@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from agent.setup import doctor
 from tools import devices
 from tools.devices import Ceilings, get_ceilings, list_devices, measure_ceilings, software_versions
 
+ROOT = Path(__file__).resolve().parent.parent
 FAKE_KEY = "sk-ant-FAKE-doctor-must-not-print-this-0123456789"
 
 
@@ -112,7 +116,37 @@ def test_doctor_is_not_ok_when_triton_cannot_run(monkeypatch):
     report = doctor.run_doctor(ceilings=False)
     assert report["ok"] is False
     assert "no triton backend here" in report["triton"]["detail"]
-    assert any("Triton cannot run" in p for p in report["problems"])
+    assert any("Triton cannot run" in p for p in report["failures"])
+
+
+def test_no_gpu_is_a_note_and_the_doctor_is_ready_without_a_failure(monkeypatch):
+    """On a CPU-only machine the doctor says so, as a note: the CPU fallback is a way to run."""
+    monkeypatch.setattr(doctor, "list_devices", lambda: [d for d in list_devices() if d.kind == "cpu"])
+    monkeypatch.delenv("NIGHTSHIFT_NO_BWRAP", raising=False)
+    report = doctor.run_doctor(ceilings=False)
+    assert report["failures"] == [] and report["ok"] is True, report["failures"]
+    assert any(n.startswith("no GPU visible") for n in report["notes"]), report["notes"]
+    assert "problems" not in report  # one list that mixed both is gone
+    console = Console(record=True, width=300)
+    console.print(doctor.render_doctor(report))
+    assert "note: no GPU visible" in console.export_text() and "failure" not in console.export_text()
+
+
+def test_candidates_that_cannot_be_jailed_are_a_failure_and_exit_1(tmp_path):
+    """`agent try` would refuse the agent's candidates here: that stops the workflow, so exit 1."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NIGHTSHIFT_NO_BWRAP": "1", "NIGHTSHIFT_CACHE": str(tmp_path)}
+    env.pop("NIGHTSHIFT_NO_JAIL", None)
+    result = subprocess.run([sys.executable, "-m", "agent", "doctor", "--json"], env=env, capture_output=True,
+                            text=True, timeout=600)
+    report = json.loads(result.stdout)
+    assert result.returncode == 1 and report["ok"] is False, (result.returncode, report["failures"])
+    assert any("--no-jail" in f for f in report["failures"]), report["failures"]
+    env["NIGHTSHIFT_NO_JAIL"] = "1"  # the user's own choice: a note, not a failure
+    result = subprocess.run([sys.executable, "-m", "agent", "doctor", "--json"], env=env, capture_output=True,
+                            text=True, timeout=600)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["ok"] is True and report["failures"] == [], report["failures"]
+    assert any("not jailed" in n for n in report["notes"]), report["notes"]
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -193,6 +193,15 @@ def test_flops_and_roofline_come_from_the_ops(blocks):
     assert r.bytes == 4 * (64 * 128 * 2 + 128 * 128 + 128)
 
 
+def test_class_rows_say_which_ceiling_bounds_them_as_module_rows_do(blocks):
+    """hotspots.json's `by_class` rows carry `bound`, from their own summed FLOPs and bytes."""
+    _, result, tmp = blocks
+    saved = json.loads((tmp / "hotspots.json").read_text())
+    assert all(row["bound"] in ("compute", "memory") for row in saved["by_class"]), saved["by_class"]
+    for c in result.by_class:
+        assert c.bound == CEILINGS.bound(c.flops, c.bytes), c.class_name
+
+
 def test_workloads_are_weighted(blocks):
     _, result, _ = blocks
     big, small = result.workloads

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,10 @@ def test_report_from_another_directory_before_integration(tuned):
     md = (tuned / "report.md").read_text()
     assert "Integration has not run yet" in md
     assert "CPU timings (host clock, not GPU numbers)" in md and "baseline CPU ms" in md
-    assert re.search(r"^\| RMSNorm \| 100% \| 4 \| \d \| \d+\.\d\dx \| cpu \d+\.\d\dx \(CPU\) \|", md, re.M), md
+    # A CPU run shows correctness only: its best candidate, no speedup in the headline table or line.
+    assert re.search(r"^\| RMSNorm \| 100% \| 4 \| \d \| `[0-9a-f]{16}` \| \S+ / abs", md, re.M), md
+    regions = md[md.index("## Regions"):md.index("| generation |")]
+    assert "best candidate (CPU run: correctness only)" in regions and not re.search(r"\d\.\d\dx", regions), regions
     # The winner's diff against the original forward (not the whole class: the constructor is
     # not what changed), found in the run's candidates/ folder although the trial recorded a
     # path relative to where tune ran.
@@ -173,10 +177,10 @@ def test_report_from_another_directory_before_integration(tuned):
     assert "Integration has not run yet" in html and "CPU timings" in html
 
 
-def write_integration(run: Path) -> None:
+def write_integration(run: Path, timing_kind: str = "cpu") -> None:
     from tools.e2e import AcceptedRegion, IntegrationResult, WorkloadResult
     IntegrationResult(
-        device="cpu", device_name="host CPU", generation="cpu", timing_kind="cpu",
+        device="cpu", device_name="host CPU", generation="cpu", timing_kind=timing_kind,
         accepted=[AcceptedRegion(region="RMSNorm", candidate_hash="0" * 16, candidate_path="x.py", region_speedup=1.3)],
         noise_band=0.05,
         workloads=[WorkloadResult(name="default", eager_ms=2.0, tuned_ms=1.6, speedup=1.25, error=2e-6,
@@ -250,8 +254,23 @@ def test_a_way_timed_in_a_noisy_worker_ties_within_its_own_band_and_shows_it():
     assert "(1.60x ±40%)" in text and "(1.40x)" in text
 
 
+def test_a_cpu_runs_report_leads_with_correctness_and_claims_no_speedup(tuned):
+    write_integration(tuned, "cpu")
+    try:
+        assert agent("report", tuned).returncode == 0
+    finally:
+        (tuned / "integration.json").unlink()
+    md = (tuned / "report.md").read_text()
+    head = md[md.index("## End to end"):md.index("| workload |")]
+    assert "**correctness only**: with RMSNorm applied the model is within the tolerance on every workload" in head
+    assert "no speedup is claimed" in head and not re.search(r"\d\.\d\dx", head), head
+    html = (tuned / "report.html").read_text()
+    summary = html[html.index('id="summary"'):html.index("End to end on")]
+    assert "correctness only" in summary and not re.search(r"\d\.\d\dx", summary), summary
+
+
 def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
-    write_integration(tuned)
+    write_integration(tuned, "cuda")  # GPU timings: the headline is the speedup
     try:
         assert agent("report", tuned).returncode == 0
     finally:
@@ -276,7 +295,7 @@ def test_report_html_in_headless_chromium(tuned, chromium, tmp_path):
 
     # Summary first: the end-to-end speedup, honest standings against torch.compile, costs.
     summary = dom[dom.index('id="summary"'):dom.index('id="progress"')]
-    assert "1.25x" in summary and "end-to-end speedup, weighted, A/A noise band ±5.0% (CPU timing)" in summary
+    assert "1.25x" in summary and "end-to-end speedup, weighted, A/A noise band ±5.0%" in summary
     assert "max-autotune-no-cudagraphs is fastest (1.4 ms); nightshift is 1.14x slower than it" in summary
     assert "failed: needs CUDA graphs" in summary
     assert "trials run" in summary and "$0.00" in summary and "device-hours on the CPU" in summary
@@ -371,3 +390,42 @@ def test_a_small_speedup_is_shown_with_its_digits_not_as_zero():
     live view said "best RMSNorm 0.00x" for one, as if it never ran."""
     from agent.report.numbers import times
     assert times(0.0042) == "0.0042x" and times(11.514) == "11.51x" and times(0.5) == "0.50x"
+
+
+def test_a_long_rejection_reason_is_shown_whole(tuned, tmp_path):
+    """report.md once cut a reason at 160 characters ("... assumed to "): a reason cut short says
+    something else. Both reports give it whole."""
+    from tools.store import Store
+    from tools.trial import Status, Trial
+    run = tmp_path / "run"
+    shutil.copytree(tuned, run)
+    reason = ("within tolerance with the frozen parameters but error 2.05 > tolerance abs 0.0001 with perturbed "
+              "ones: the answer does not follow the module's parameters (one is ignored, assumed to be 1 or 0, "
+              "or kept from an earlier call: they were changed in place, so key a derived copy on each tensor's "
+              "_version)")
+    store = Store(run / "trials.sqlite")
+    try:
+        store.record(Trial(region="RMSNorm", candidate_hash="f" * 16, status=Status.ignored_parameter, reason=reason,
+                           error=2.05, tolerance="abs 0.0001", device="cpu", generation="cpu"))
+    finally:
+        store.close()
+    assert agent("report", run).returncode == 0
+    md = (run / "report.md").read_text()
+    assert reason in md and "ignored_parameter 1" in md
+    assert escape(reason) in (run / "report.html").read_text()
+
+
+def test_status_on_a_cpu_run_shows_correctness_and_no_speedup():
+    from rich.console import Console
+
+    from agent.cli.view import progress_table
+    rows = [{"region": "GatedNorm", "trials": 4, "passing": 2, "kept": 2, "best_speedup": 1.29,
+             "best_by_generation": {"cpu": 1.29}, "best_error": 0.0, "tolerance": "abs 0.0001",
+             "best_template": None, "failures": {"ignored_parameter": 2}}]
+    shown = {}
+    for kind in ("cpu", "cuda"):
+        console = Console(width=200, record=True)
+        console.print(progress_table(rows, kind, "budget"))
+        shown[kind] = console.export_text()
+    assert "1.29x" not in shown["cpu"] and "correctness only" in shown["cpu"] and "ignored_parameter 2" in shown["cpu"]
+    assert "1.29x" in shown["cuda"] and "best speedup" in shown["cuda"]

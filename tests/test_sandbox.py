@@ -140,6 +140,8 @@ def test_adversarial_candidate_gets_its_status(path, runner, frozen_run, closed_
         runner.limits = limits
     assert trial.status.value in expected(path), (trial.status, trial.reason, trial.error_text[-800:])
     assert trial.status is Status.ok or not trial.ranked
+    if trial.status is not Status.ok and trial.error is not None:  # a rejection shows the error that rejected it
+        assert trial.error > float(trial.tolerance.split()[-1]), (trial.status, trial.error, trial.tolerance)
     if "NOT_A_WIN" in path.read_text():  # right answers, and a speed that is not its own
         assert not trial.win, (trial.speedup, trial.noise_band, [(t.workload, t.speedup, t.noise_band)
                                                                  for t in trial.timings])

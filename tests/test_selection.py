@@ -176,6 +176,27 @@ def test_a_block_whose_own_ops_would_be_lost_is_frozen_whole():
     assert {c.class_name for c in select_regions(_synthetic(spec), coverage=1.0)} == {"Attn", "MLP"}
 
 
+def test_every_user_class_not_frozen_is_named_with_why_and_torchs_are_not():
+    """A model frozen whole around the user's gated norm (the gate a Linear inside it, a Linear
+    after it): the norm overlaps the model, a class built but never called is named too."""
+    from tools.selection import not_frozen
+    spec = {"": ("Model", 0.1, 2), "norm": ("GatedNorm", 0.5, 6), "norm.gate": ("Linear", 0.5, 1),
+            "proj": ("Linear", 0.5, 1)}
+    result = _synthetic(spec)
+    assert [c.class_name for c in select_regions(result)] == ["Model"]
+    classes = {"Model": "user.Model", "GatedNorm": "user.GatedNorm", "Spare": "user.Spare",
+               "Linear": "torch.nn.modules.linear.Linear"}
+    why = not_frozen(result, {"Model"}, {}, classes)
+    assert set(why) == {"GatedNorm", "Spare"}, why
+    assert why["GatedNorm"].startswith("not chosen: overlaps Model, already chosen")
+    assert why["GatedNorm"].endswith("; --regions GatedNorm freezes it instead")
+    assert why["Spare"].startswith("not called by the model's forward")
+    asked = not_frozen(result, {"GatedNorm"}, {}, classes, asked=["GatedNorm"])
+    assert asked == {"Model": "not in --regions (GatedNorm)", "Spare": asked["Spare"]}
+    failed = not_frozen(result, set(), {"Model": "returns no tensor to compare"}, classes)
+    assert failed["Model"] == "returns no tensor to compare" and "Linear" in failed  # nothing frozen: every class
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_regions_never_overlap_and_every_class_has_a_reason(results, name):
     chosen = select_regions(results[name], coverage=1.0, max_regions=20)

@@ -4,7 +4,8 @@
   and whole-Model regions (the harness imports what it uses before its integrity snapshot, and
   the wrappers a candidate's torch.compile installs on importing dynamo are torch's own).
 - A randomly initialised LayerNorm has weight 1 and bias 0: a candidate that ignores either is
-  right on the frozen and fresh inputs, and wrong with the perturbed parameters.
+  right on the frozen and fresh inputs, and wrong with the perturbed parameters: `ignored_parameter`,
+  with that error shown.
 - An unchanged region timed against itself reads "no change" (inside its A/A noise band), and
   is never a win.
 - Outputs holding infinities or NaN (masked logits) are timed like any other: the checksum that
@@ -112,8 +113,10 @@ def test_ignoring_a_parameter_that_is_one_or_zero_is_caught(frozen, ignored):
     try:
         runner.add_problem(region)
         trial = runner.run(Candidate(region=region.name, source=IGNORES[ignored]), do_time=False)
-        assert trial.status is Status.hardcoded, (trial.status, trial.reason)
-        assert "perturbed" in trial.reason and trial.error is not None and trial.error <= 1e-4
+        # Its own verdict, and the error shown is the one that rejected it, never the frozen inputs' 0.0.
+        assert trial.status is Status.ignored_parameter, (trial.status, trial.reason)
+        assert "perturbed" in trial.reason and trial.error is not None and trial.error > 1e-4
+        assert trial.max_abs == trial.error and f"error {trial.error:.3g} > tolerance" in trial.reason
     finally:
         runner.close()
 

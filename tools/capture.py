@@ -34,6 +34,7 @@ from tools.inplace import inplace_paths
 from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, tensors_in
 from tools.problem import Problem, StopRule, TensorSpec, Tolerance, Workload, default_tolerance, tensor_hash
 from tools.recording import record_calls
+from tools.sources import called_sources
 from tools.region import (CALL_SEED, build_region, call_args, draws_random, flatten, module_state,
                           scalar_attributes, seeded_rng, tensor_attributes)
 from tools.verify import diff
@@ -274,7 +275,8 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
     problem = Problem(
         name=name, region_class=choice.class_name, region_path=rep, instances=paths,
         fingerprints={path: instance_fingerprint(loaded.model.get_submodule(path)) for path in paths},
-        region_source=_source(type(module)), model_file=str(loaded.path), model_hash=model_hash,
+        region_source=_source(type(module)), called_sources=called_sources(module),
+        model_file=str(loaded.path), model_hash=model_hash,
         init_hash=tensor_hash(loaded.init_inputs), device=device.type, device_name=device_name,
         parameters=[TensorSpec.of(n, t) for n, t in state.items()], model_bytes=model_bytes(loaded.model),
         attributes=scalar_attributes(module), children={n: type(c).__qualname__ for n, c in module.named_children()},

@@ -65,6 +65,12 @@ class Ceilings(BaseModel):
         memory_s = nbytes / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps > 0 else 0.0
         return 1e3 * max(compute_s, memory_s)
 
+    def bound(self, flops: float, nbytes: float) -> str:
+        """`compute` when the FLOPs take longer than the bytes at these peaks, else `memory`."""
+        compute_s = flops / (self.matmul_tflops * 1e12) if self.matmul_tflops > 0 else 0.0
+        memory_s = nbytes / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps > 0 else 0.0
+        return "compute" if compute_s > memory_s else "memory"
+
 
 # ---------------------------------------------------------------------------- discovery
 

@@ -240,9 +240,22 @@ def activation_between(nodes: list[dict], a: int, b: int) -> str | None:
     for op, act in (("silu", "silu"), ("relu", "relu"), ("erf", "gelu"), ("tanh", "gelu_tanh")):
         if op in names:
             return act
-    if "sigmoid" in names and "mul" in names:
-        return "silu"
+    if "sigmoid" in names:
+        # silu is t * sigmoid(t) of one tensor; n * sigmoid(g) of another is a gated product
+        return "silu" if any(_self_gated(nodes, i) for i in between if nodes[i]["op"] == "mul") else "sigmoid"
     return None if names - {"mul", "add", "dropout"} else "none"
+
+
+def _self_gated(nodes: list[dict], mul: int) -> bool:
+    """Op `mul` multiplies a tensor by the sigmoid of that same tensor (x * sigmoid(x))."""
+    ops = _operands(nodes[mul])
+    for k, ref in enumerate(ops):
+        s = _op(ref)
+        if s is not None and nodes[s]["op"] == "sigmoid" and not ref["via"] and (x := _operands(nodes[s])):
+            others = ops[:k] + ops[k + 1:]
+            if any(o["from"] == x[0]["from"] and o["via"] == x[0]["via"] for o in others):
+                return True
+    return False
 
 
 def attention_facts(nodes: list[dict], mms: list[dict]) -> dict | None:

@@ -47,6 +47,9 @@ class RegionStats(BaseModel):
     are measured on random data, not proven bounds."""
     has_params: bool
     container: bool
+    bound: Literal["compute", "memory"] | None = None
+    """Which roofline ceiling sets floor_ms: its FLOPs at the matmul peak take longer than its
+    boundary bytes at the copy bandwidth (`compute`), or not (`memory`); None without ceilings."""
 
 
 class HotspotRow(RegionStats):
@@ -58,7 +61,6 @@ class HotspotRow(RegionStats):
     depth: int
     self_ms: float
     """Kernels launched by this module's own code, outside any child module."""
-    bound: Literal["compute", "memory"] | None
 
 
 class ClassRow(RegionStats):
@@ -152,7 +154,11 @@ def _sum_rows(rows: list, weights: list[float], total_ms: float | None = None) -
     return out
 
 
-def _by_class(rows: list[HotspotRow], total_ms: float) -> list[ClassRow]:
+def _bound(sums: dict, ceilings: Ceilings | None) -> str | None:
+    return ceilings.bound(sums["flops"], sums["bytes"]) if ceilings else None
+
+
+def _by_class(rows: list[HotspotRow], total_ms: float, ceilings: Ceilings | None = None) -> list[ClassRow]:
     qual = {r.path: r.qualname for r in rows}
     groups: dict[str, list[HotspotRow]] = defaultdict(list)
     for r in rows:
@@ -160,15 +166,16 @@ def _by_class(rows: list[HotspotRow], total_ms: float) -> list[ClassRow]:
     out = []
     for qualname, members in groups.items():
         top = [r for r in members if not any(qual.get(a) == qualname for a in _ancestors(r.path))]
+        sums = _sum_rows(top, [1.0] * len(top), total_ms)
         out.append(ClassRow(
             class_name=members[0].class_name, qualname=qualname, instances=len(members),
             paths=[r.path for r in members], has_params=members[0].has_params,
             container=members[0].container, is_root=any(r.path == ROOT for r in members),
-            **_sum_rows(top, [1.0] * len(top), total_ms)))
+            bound=_bound(sums, ceilings), **sums))
     return sorted(out, key=lambda c: -c.inclusive_ms)
 
 
-def _weighted(profiles: list[WorkloadProfile]) -> tuple[list[HotspotRow], float]:
+def _weighted(profiles: list[WorkloadProfile], ceilings: Ceilings | None = None) -> tuple[list[HotspotRow], float]:
     """Rows averaged over workloads by weight: the metric the search optimises."""
     weights = [p.weight for p in profiles]
     if sum(weights) <= 0:  # one zero-weight workload picked by name
@@ -181,7 +188,8 @@ def _weighted(profiles: list[WorkloadProfile]) -> tuple[list[HotspotRow], float]
     sums = {p: _sum_rows([r for r, _ in rw], [w for _, w in rw]) for p, rw in per_path.items()}
     total = sums[ROOT]["inclusive_ms"] if ROOT in sums else 0.0
     rows = [HotspotRow(**{**rw[0][0].model_dump(), **sums[p], "self_ms": sum(r.self_ms * w for r, w in rw),
-                          "share": sums[p]["inclusive_ms"] / total if total else 0.0})
+                          "share": sums[p]["inclusive_ms"] / total if total else 0.0,
+                          "bound": _bound(sums[p], ceilings) if ceilings else rw[0][0].bound})
             for p, rw in per_path.items()]
     return rows, total
 

@@ -64,19 +64,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return _bytes(t).view(-1, width)
 
 
-def check(paths: list[str], got: Any, original: Any, before: Any, tol, diff) -> tuple[Status, str] | None:
+def check(paths: list[str], got: Any, original: Any, before: Any, tol, diff
+          ) -> tuple[Status, str, Any] | None:
     """None when the candidate's post-call inputs `got` match the original's `original` as the
-    module docstring says; else (status, reason). `before` is the frozen (pre-call) input set;
+    module docstring says; else (status, reason, the Diff that failed the tolerance or None). `before` is the frozen (pre-call) input set;
     `diff` is tools.verify.diff (passed in: verify imports this module)."""
     for path in _top_level(original):
         g, o = _at(got, path), _at(original, path)
         if path not in paths:
             if not _same_bits(g, o):
-                return Status.mutated_input, f"argument {path} changed, and it is not a declared in-place output"
+                return Status.mutated_input, f"argument {path} changed, and it is not a declared in-place output", None
             continue
         b = _at(before, path)
         if not isinstance(g, torch.Tensor) or g.shape != o.shape or g.dtype != o.dtype:
-            return Status.wrong, f"in-place output {path} came back with another shape or dtype"
+            return Status.wrong, f"in-place output {path} came back with another shape or dtype", None
         if isinstance(b, torch.Tensor) and b.shape == o.shape and b.dtype == o.dtype and o.numel():
             # Row-wise on the bytes, without copies of the (large) cache: which positions the
             # original wrote, and whether the candidate left every other one as it was.
@@ -85,12 +86,12 @@ def check(paths: list[str], got: Any, original: Any, before: Any, tol, diff) -> 
             moved = (g_rows != b_rows).any(dim=1) & ~written
             if bool(moved.any()):
                 return Status.mutated_input, (f"in-place output {path}: {int(moved.sum())} positions the original "
-                                              "leaves as they were are changed (written at the wrong positions)")
+                                              "leaves as they were are changed (written at the wrong positions)"), None
             shape = (-1, o.shape[-1]) if o.dim() > 1 else (-1,)
             d = diff([g.reshape(shape)[written]], [o.reshape(shape)[written]])
         else:
             d = diff([g], [o])
         if d.bad_nonfinite or d.error(tol) > tol.value:
             return Status.wrong, (f"in-place output {path} differs from what the original writes by "
-                                  f"{d.error(tol):.3g} (tolerance {tol}): left stale or written wrong")
+                                  f"{d.error(tol):.3g} (tolerance {tol}): left stale or written wrong"), d
     return None

@@ -204,6 +204,11 @@ class Problem(BaseModel):
     routes only instances whose digest was verified. Empty in runs frozen before it existed."""
     region_source: str
     """Source of the class, so planners and reviewers see what is being replaced."""
+    called_sources: dict[str, str] = Field(default_factory=dict)
+    """Source of the code the region's forward reaches beyond its class, by name: the classes of
+    its submodules at any depth (a built one it never calls too) and the module-level functions
+    its code calls (torch's and Python's own left out: `children` names those modules). With
+    `region_source`, the whole math."""
     model_file: str
     model_hash: str
     init_hash: str = ""

@@ -260,8 +260,6 @@ def _rows(model, accs: dict[str, _Acc], costs: dict[str, _Cost], iters: int,
             continue
         ms = acc.us / iters / 1e3
         floor = ceilings.floor_ms(c.flops, c.boundary) if ceilings else None
-        compute_bound = ceilings and (c.flops / (ceilings.matmul_tflops * 1e12)
-                                      > c.boundary / (ceilings.bandwidth_gbps * 1e9))
         rows.append(HotspotRow(
             path=p, class_name=type(mod).__name__, qualname=f"{type(mod).__module__}.{type(mod).__qualname__}",
             parent=None if p == ROOT else p.rpartition(".")[0], depth=_depth(p), calls=own.calls / iters,
@@ -269,7 +267,7 @@ def _rows(model, accs: dict[str, _Acc], costs: dict[str, _Cost], iters: int,
             kernels=acc.count / iters, top_kernels=_top(acc.names, iters), small_kernels=acc.small / iters,
             small_kernels_ms=acc.small_us / iters / 1e3, flops=c.flops, bytes=c.boundary, op_bytes=c.op_bytes,
             floor_ms=floor, achieved=floor / ms if floor is not None and ms > 0 else None,
-            bound=None if not ceilings else ("compute" if compute_bound else "memory"),
+            bound=ceilings.bound(c.flops, c.boundary) if ceilings else None,
             has_params=any(True for _ in mod.parameters()), container=isinstance(mod, CONTAINERS)))
     return rows
 
@@ -353,15 +351,15 @@ def profile_model(loaded: LoadedModel, device: str | torch.device, workload: str
             notes.append(f"workload {w.name!r}: no time attributed"
                          + (" (no device kernel was linked to its launching op)" if gpu else ""))
         per.append(WorkloadProfile(name=w.name, weight=w.weight, iters=iters, total_ms=total,
-                                   wall_ms=wall[w.name], rows=rows, by_class=_by_class(rows, total)))
-    rows, total = _weighted(per)
+                                   wall_ms=wall[w.name], rows=rows, by_class=_by_class(rows, total, ceilings)))
+    rows, total = _weighted(per, ceilings)
     info = device_info(dev)
     result = ProfileResult(
         model_file=str(loaded.path), model_hash=loaded.file_hash, device=str(dev), device_name=info.name,
         generation=info.generation, timing_kind="gpu" if gpu else "cpu",
         time_label="GPU time" if gpu else "CPU time", torch_version=torch.__version__,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), small_kernel_us=small_us,
-        ceilings=ceilings, workloads=per, total_ms=total, rows=rows, by_class=_by_class(rows, total),
+        ceilings=ceilings, workloads=per, total_ms=total, rows=rows, by_class=_by_class(rows, total, ceilings),
         trace_path=None if trace_path is None else str(trace_path), notes=notes)
     if hotspots_path is not None:
         result.save(hotspots_path)

@@ -193,3 +193,26 @@ def select_regions(result: ProfileResult, coverage: float = 0.9, max_regions: in
     by_q = {c.qualname: c for c in result.by_class}
     return [by_q[v.qualname] for v in plan_regions(result, coverage, max_regions, exclude, min_share)
             if v.chosen]
+
+
+def not_frozen(result: ProfileResult, frozen: set[str], failed: dict[str, str], model_classes: dict[str, str], *,
+               coverage: float = 0.9, max_regions: int = 8, exclude: tuple[str, ...] = (),
+               asked: list[str] | None = None) -> dict[str, str]:
+    """{class: why it is not a problem} for every class the user's code defines (every class of the
+    profile when nothing was frozen): a freeze that failed (`failed`), selection's reason, not in
+    the user's `asked` list, or never called. `model_classes`: class name -> qualified name."""
+    out = dict(failed)
+    for v in plan_regions(result, coverage, max_regions, exclude):
+        builtin = v.qualname.startswith("torch.")
+        if v.class_name in frozen or v.class_name in out or (frozen and builtin):
+            continue
+        if asked:
+            out[v.class_name] = f"not in --regions ({', '.join(asked)})"
+        else:
+            can = not builtin and v.share > 0 and not v.reason.startswith(("a container", "the model already runs"))
+            hint = f"; --regions {v.class_name} freezes it instead" if can else ""
+            out[v.class_name] = f"not chosen: {v.reason}{hint}"
+    for name, qualname in model_classes.items():
+        if name not in out and name not in frozen and not qualname.startswith("torch."):
+            out[name] = "not called by the model's forward on its workloads: no time to win"
+    return out

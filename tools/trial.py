@@ -35,7 +35,8 @@ class Status(str, Enum):
     aliased = "aliased"  # an output shares memory with an input, a parameter or an earlier output
     nondeterministic = "nondeterministic"  # two runs on the same inputs disagree
     late_write = "late_write"  # an output changed after the call returned (a thread, another stream)
-    hardcoded = "hardcoded"  # right on the frozen inputs, wrong on fresh ones or with perturbed parameters
+    hardcoded = "hardcoded"  # right on the frozen inputs, wrong on fresh ones (cached or shape-keyed answers)
+    ignored_parameter = "ignored_parameter"  # right with the frozen parameters, wrong with perturbed ones
     suspicious = "suspicious"  # tampered with torch or the harness, impossible speed, timings the tuner's clock refutes
     timeout = "timeout"
     oom = "oom"
@@ -121,7 +122,11 @@ class Trial(BaseModel):
     max_abs: float | None = None
     max_rel: float | None = None
     error: float | None = None
-    """The number compared with the tolerance (worst over all frozen input sets)."""
+    """The number compared with the tolerance: for a pass the worst over the frozen input sets; for
+    a rejection the one that failed it (fresh inputs for `hardcoded`, perturbed parameters for
+    `ignored_parameter`, a timed repetition or the two runs' difference where the reason says
+    so); None where the verdict is not an error beyond the tolerance (`shape`, `suspicious`, ...).
+    `max_abs` and `max_rel` belong to the same comparison."""
     tolerance: str = ""
     fresh_error: float | None = None
     """Same measure on fresh random inputs, against the original region run on them."""

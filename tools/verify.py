@@ -266,7 +266,7 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
         ab = Diff(0.0, 0.0, 0) if same else diff(runs["a"][i], runs["b"][i])
         if ab.max_abs > 0 and tol.error(ab.max_abs, a.ref_max) > tol.value:
             return Verdict(Status.nondeterministic, f"input set {i}: two runs differ by {ab.max_abs:.3g} "
-                           f"(tolerance {tol})", *_numbers(a, tol))
+                           f"(tolerance {tol})", *_numbers(ab, tol))
         per_set.append(max(a.error(tol), b.error(tol)))
         if a.error(tol) / max(tol.value, 1e-300) > worst.error(worst_tol) / max(worst_tol.value, 1e-300):
             worst, worst_tol = a, tol
@@ -278,15 +278,15 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
             bad = inplace.check(problem.inplace_inputs, runs["post_inputs"][i], effects["post_inputs"][i],
                                 ev.pre_inputs[i] if ev.pre_inputs else None, tol, diff)
             if bad:
-                return Verdict(bad[0], f"input set {i}: {bad[1]}", *_numbers(a, tol))
+                return Verdict(bad[0], f"input set {i}: {bad[1]}", *(_numbers(bad[2], tol) if bad[2] else ()))
         elif mutates[i] and effects.get("post_inputs") and runs.get("post_inputs"):
             d = diff(_leaves(runs["post_inputs"][i]), _leaves(effects["post_inputs"][i]))
             if d.bad_nonfinite or d.error(tol) > tol.value:
                 return Verdict(Status.wrong, f"input set {i}: what the call writes into its inputs differs from the "
-                               f"original's by {d.error(tol):.3g} (tolerance {tol})", *_numbers(a, tol))
+                               f"original's by {d.error(tol):.3g} (tolerance {tol})", *_numbers(d, tol))
     if worst_b.error(worst_tol) > worst_tol.value:
-        return Verdict(Status.nondeterministic, f"second run's error {worst_b.error(worst_tol):.3g} > tolerance",
-                       *_numbers(worst, worst_tol))
+        return Verdict(Status.nondeterministic, f"second run's error {worst_b.error(worst_tol):.3g} > tolerance "
+                       f"{worst_tol}", *_numbers(worst_b, worst_tol))
     fresh_err = 0.0
     for k, fref in enumerate(ev.fresh):
         i = ev.fresh_sets[k]
@@ -297,9 +297,9 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
         err = math.inf if d is None or d.bad_nonfinite else d.error(scaled)
         fresh_err = max(fresh_err, err)
         if err > scaled.value:
-            return Verdict(Status.hardcoded, f"within tolerance on the frozen inputs but error {err:.3g} on fresh "
-                           f"inputs drawn from input set {i}: the answer does not come from the inputs",
-                           *_numbers(worst, worst_tol), fresh_error=err)
+            return Verdict(Status.hardcoded, f"within tolerance on the frozen inputs but error {err:.3g} > tolerance "
+                           f"{_said(scaled, tol)} on fresh inputs drawn from input set {i}: the answer does not come "
+                           "from the inputs", *_failed(d, scaled), fresh_error=err)
     if ev.perturbed is not None:
         i = ev.perturbed_set
         tol = problem.tolerance_for(i)
@@ -308,10 +308,11 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
         scaled = _scaled(tol, d.ref_max if d else 0.0, reference[i])
         err = math.inf if d is None or d.bad_nonfinite else d.error(scaled)
         if err > scaled.value:
-            return Verdict(Status.hardcoded, f"within tolerance with the frozen parameters but error {err:.3g} with "
-                           "perturbed ones: the answer does not follow the module's parameters (one is ignored, "
-                           "assumed to be 1 or 0, or kept from an earlier call: they were changed in place, so key "
-                           "a derived copy on each tensor's _version)", *_numbers(worst, worst_tol), fresh_error=fresh_err)
+            return Verdict(Status.ignored_parameter, f"within tolerance with the frozen parameters but error {err:.3g} "
+                           f"> tolerance {_said(scaled, tol)} with perturbed ones: the answer does not follow the "
+                           "module's parameters (one is ignored, assumed to be 1 or 0, or kept from an earlier call: "
+                           "they were changed in place, so key a derived copy on each tensor's _version)",
+                           *_failed(d, scaled), fresh_error=fresh_err)
     return Verdict(Status.ok, "within tolerance", *_numbers(worst, worst_tol), fresh_error=fresh_err, per_set=per_set)
 
 
@@ -354,3 +355,18 @@ def _leaves(x) -> list:
 
 def _numbers(d: Diff, tol: Tolerance) -> tuple[float, float, float]:
     return d.max_abs, (d.max_abs / d.ref_max if d.ref_max else 0.0), d.error(tol)
+
+
+def _said(scaled: Tolerance, tol: Tolerance) -> str:
+    """A tolerance as a reason gives it: one scaled to larger outputs says so."""
+    if scaled.value == tol.value:
+        return str(tol)
+    return f"{scaled.kind} {scaled.value:.3g} ({tol} scaled to these outputs' magnitude)"
+
+
+def _failed(d: Diff | None, tol: Tolerance) -> tuple[float | None, float | None, float]:
+    """The numbers of a comparison that failed: a rejection shows the error that rejected it
+    (never the frozen inputs' 0.0 beside a fresh or perturbed failure)."""
+    if d is None or d.bad_nonfinite:
+        return None, None, math.inf
+    return _numbers(d, tol)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from agent.apply.merge import kernels_module_text
 from agent.apply.patch import model_unchanged, patched_lines, unified_patch
-from agent.apply.winners import Winner, load_integration, select_winners
+from agent.apply.winners import NOT_FASTER, Winner, load_integration, select_winners
 from agent.errors import UserError
 from tools.problem import Problem
 from tools.runfolder import RunFolder
@@ -50,6 +50,10 @@ class ApplyResult:
     warnings: list[str] = field(default_factory=list)
     apply_command: str = ""
     """The command that applies the patch, with absolute paths: it works from any directory."""
+    kernels_module_source: str = ""
+    """The code of `kernels_module`, as written (or, in a dry run, as it would be)."""
+    note: str = ""
+    """Why there is nothing to apply (empty when there is): a verdict, not an error."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -60,7 +64,8 @@ class ApplyResult:
             "best kept candidate per region (no integration.json)"
         out = [f"run {self.run_id}: {len(self.regions)} region(s) to apply, {source}"]
         for r in self.regions:
-            speed = f"{r['speedup']:.2f}x" if r["speedup"] else "n/a"
+            speed = f"{r['speedup']:.2f}x" + (" (CPU timing)" if r.get("timing") == "cpu" else "") if r["speedup"] \
+                else "n/a"
             error = f"{r['error']:.3g}" if r["error"] is not None else "n/a"
             where = f", class from {r['class_module']} (routed at run time)" if r.get("class_module") else ""
             slower = " (not faster: --allow-slower)" if r.get("chosen_by") == "integration-slower" else ""
@@ -72,10 +77,14 @@ class ApplyResult:
         out += [f"  {name}: not applied ({why})" for name, why in self.skipped.items()]
         warnings = [f"warning: {w}" for w in self.warnings]
         if not self.regions:
-            return out + ["nothing to apply"], warnings
+            return out + [self.note], warnings
         routed = Path(self.kernels_module).name
-        if self.dry_run:
-            out += [self.patch.rstrip("\n")] if self.patch else [
+        if self.dry_run:  # everything it would write, the code itself included
+            code = self.kernels_module_source.rstrip("\n")
+            out += [f"--- the kernels module it would write, {self.kernels_module} ({code.count(chr(10)) + 1} lines):",
+                    code, "--- end of the kernels module"]
+            out += [f"--- the patch to {Path(self.model_file).name} it would write, {self.patch_path} (apply it: "
+                    f"{self.apply_command}):", self.patch.rstrip("\n"), "--- end of the patch"] if self.patch else [
                 f"{self.model_file} already routes through {routed} (already applied): the patch is empty"]
             return out + [f"would write {p}" for p in self.would_write], warnings
         out += [f"wrote {p}" for p in self.written]
@@ -90,6 +99,16 @@ class ApplyResult:
                    "(our kernels as opaque ops the compiler fuses around; plain torch.compile(model) works too, "
                    "tracing into them)")
         return out, warnings
+
+
+def _nothing_to_apply(skipped: dict[str, str], cpu: bool, run: Path) -> str:
+    """The line for a run with no winner to apply: a verdict (exit 1), not an error."""
+    if any(NOT_FASTER in why for why in skipped.values()):
+        why = ("no region has a candidate faster than the original beyond its noise band"
+               + (" (the expected result on a CPU, which measures correctness, not GPU speed)" if cpu else ""))
+        return (f"nothing to apply: {why}; each region's reason is above. Not an error: agent apply {run} --dry-run "
+                "--allow-slower shows the patch of the verified candidates anyway")
+    return "nothing to apply: no region has a kept candidate (each region's reason is above)"
 
 
 def class_modules(model: Path, problems: list[Problem]) -> tuple[dict[str, str], list[str]]:
@@ -164,19 +183,22 @@ def apply_run(run_path: Path, regions: list[str] | None = None, dry_run: bool = 
                          kernels_module=str(kernels_path), patch_path=str(patch_path), patch="",
                          chosen_by=chosen_by, skipped=skipped, dry_run=dry_run, warnings=warnings)
     if not winners:
+        result.note = _nothing_to_apply(skipped, info.device == "cpu", run.path)
         return result
     outside, notes = class_modules(model, [p for p in run.problems() if p.name in {w.region for w in winners}])
     result.warnings += notes
     winners = [Winner(**{**asdict(w), "class_module": outside.get(w.region)}) for w in winners]
     text, parts, unmergeable = kernels_module_text(winners, run.run_id, model.name, integration)
     skipped.update(unmergeable)
+    result.kernels_module_source = text
     if not parts:
+        result.note = _nothing_to_apply(skipped, info.device == "cpu", run.path)
         return result
     result.regions = [{"region": p.winner.region, "class": p.winner.region_class,
                        "class_module": p.winner.class_module, "candidate_hash": p.winner.candidate_hash,
                        "forward": p.forward, "speedup": p.winner.speedup, "error": p.winner.error,
                        "tolerance": p.winner.tolerance, "renamed": p.renames, "chosen_by": p.winner.chosen_by,
-                       "under_compile": p.winner.under_compile}
+                       "under_compile": p.winner.under_compile, "timing": p.winner.timing}
                       for p in parts]
     with open(model, newline="") as f:
         model_text = f.read()

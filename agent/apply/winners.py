@@ -127,6 +127,8 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
                     rec = history.records.get((p.name, drop.candidate_hash))
                     digest, path, speedup = drop.candidate_hash, "", (rec.score(gens) if rec else None)
                     origin = "integration-slower"
+                    warnings.append(f"{p.name}: candidate {digest} is {drop.reason} (integration.json); applied "
+                                    "because of --allow-slower")
                 elif acc is None:
                     why = drop.reason if drop is not None else ""
                     hint = "; --allow-slower applies it anyway" if why.startswith(NOT_FASTER) else ""
@@ -148,12 +150,17 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
             trials = list(rec.by_generation.values()) if rec is not None else []
             path = path or next((t.candidate_path for t in trials if t.candidate_path), "")
             timing = _timing(trials) if trials else p.device
-            if speedup is not None and speedup <= 1.0:
-                label = f"{speedup:.2f}x" + (", CPU timing" if timing == "cpu" else f", on {timing}")
+            # A store winner counts as faster only beyond its noise band on every generation, as
+            # integration judges; integration's own verdicts were taken above.
+            if origin == "store" and not all(t.win for t in trials):
+                band = max((t.noise_band or 0.0 for t in trials), default=0.0)
+                label = (f"{speedup:.2f}x, inside its noise band ±{band:.0%}" if speedup and speedup > 1 else
+                         f"{speedup:.2f}x" if speedup else "not timed") + \
+                    (", CPU timing" if timing == "cpu" else f", on {timing}")
                 if not allow_slower:
                     raise CandidateSkipped(f"{NOT_FASTER} ({label}); --allow-slower applies it anyway")
-                warnings.append(f"{p.name}: candidate {digest} is slower than the original ({label}); "
-                                "applied because of --allow-slower")
+                warnings.append(f"{p.name}: candidate {digest} is {NOT_FASTER} ({label}); applied because of "
+                                "--allow-slower")
             errors = [t.error for t in trials if t.error is not None]
             verified = None
             if p.fingerprints:  # end to end, every instance of the model ran it; else the frozen one did

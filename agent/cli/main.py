@@ -143,11 +143,8 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
         with native_stderr_without("USDT:"):  # torch's profiler chatter on file descriptor 2
             table = torch_profiler_table(load_model(model, res.result.device), res.result.device, workload)
         out.print(table)
-    for p in res.problems:
-        _say(f"froze {p.name} ({p.region_path}, {p.share_of_model:.0%} of time), tolerance {p.tolerance}")
-    for name, why in res.skipped.items():
-        _say(f"skipped {name}: {why}")
-    _say(f"run folder: {res.run.path}  (trace.json opens in Perfetto)")
+    for line in res.lines():
+        _say(line)
 
 
 @app.command("try")
@@ -293,23 +290,15 @@ def status(run: Path = typer.Argument(..., help="Run folder (may be running else
            json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Progress of a run: whether it is running or stopped (and why), per region trials, passing,
     best speedup, error vs tolerance, budget."""
-    from agent.history import load_history
-    from agent.cli.view import budget_line, progress_rows, progress_table, run_status
+    from agent.cli.view import progress_table, status_of
     from tools.runfolder import RunFolder
     folder = RunFolder.open(run)
-    problems = folder.problems()
-    history = load_history(folder, problems, [])
-    state = run_status(folder)
-    rule = folder.info().options.get("stop_rule", {})
-    spent = sum(t.gpu_seconds for t in history.trials)
-    rows = progress_rows(problems, history)
+    data, budget = status_of(folder)
     if json_out:
-        _emit_json({"run": str(folder.path), **state, "regions": rows, "gpu_seconds": spent, "stop_rule": rule})
+        _emit_json(data)
         return
-    kind = "cpu" if all(p.device == "cpu" for p in problems) else "cuda"
-    out.print(progress_table(rows, kind, budget_line(spent, rule.get("gpu_hours", 0.0), len(history.records),
-                                                      rule.get("max_candidates", 0), kind)))
-    _say(f"{folder.path}: {state['text']}")
+    out.print(progress_table(data["regions"], data["timing_kind"], budget))
+    _say(f"{folder.path}: {data['text']}")
 
 
 @app.command("report")
@@ -326,13 +315,14 @@ def report_(run: Path = typer.Argument(..., help="Run folder.")):
 @_guard
 def apply_(run: Path = typer.Argument(..., help="Run folder."),
            region: list[str] = typer.Option([], "--region", help="Only this region (repeatable, or A,B)."),
-           dry_run: bool = typer.Option(False, "--dry-run", help="Print the patch and what would be written; "
-                                        "write nothing."),
+           dry_run: bool = typer.Option(False, "--dry-run", help="Print the kernels module's code and the patch "
+                                        "it would write; write nothing."),
            allow_slower: bool = typer.Option(False, "--allow-slower", help="Also apply winners that are not faster "
                                              "than the original (a warning each; on the CPU none is faster)."),
            json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Write the winners as <model>_nightshift.py next to the model and a patch routing the model through
-    it (runs/<run>/patches/<model>.patch); exit 1 if no region has a winner to apply."""
+    it (runs/<run>/patches/<model>.patch). Exit 0 with something to apply; 1 with nothing to apply (a
+    verdict, not an error: no candidate faster beyond its noise band, the expected result on a CPU)."""
     from agent.apply import apply_run
     res = apply_run(run, [n for r in region for n in _names(r) or []] or None, dry_run=dry_run,
                     allow_slower=allow_slower)

@@ -30,9 +30,14 @@ def progress_rows(problems: list[Problem], history: History) -> list[dict]:
 
 
 def progress_table(rows: list[dict], timing_kind: str, budget_line: str) -> Table:
-    kind = "CPU timings" if timing_kind == "cpu" else "GPU timings"
+    """Per region the trials, passing and kept, the best one's error and what was rejected; the
+    best speedup only on a GPU (a CPU run shows correctness only: its timings are no speedup)."""
+    cpu = timing_kind == "cpu"
+    kind = "CPU run: correctness only, no speedup" if cpu else "GPU timings"
     table = Table(title=f"nightshift: search progress ({kind})", caption=budget_line)
-    for col in ("region", "trials", "passing", "kept", "best speedup", "error / tolerance", "from", "rejected"):
+    cols = ("region", "trials", "passing", "kept", *(() if cpu else ("best speedup",)), "error / tolerance", "from",
+            "rejected")
+    for col in cols:
         table.add_column(col, justify="right" if col in ("trials", "passing", "kept", "best speedup") else "left")
     for r in rows:
         best = times(r['best_speedup']) if r["best_speedup"] else "-"
@@ -40,8 +45,8 @@ def progress_table(rows: list[dict], timing_kind: str, budget_line: str) -> Tabl
             best += " (" + ", ".join(f"{g} {times(s)}" for g, s in sorted(r["best_by_generation"].items())) + ")"
         err = f"{r['best_error']:.2g} / {r['tolerance']}" if r["best_error"] is not None else f"- / {r['tolerance']}"
         rejected = ", ".join(f"{k} {v}" for k, v in sorted(r["failures"].items(), key=lambda kv: -kv[1])[:3])
-        table.add_row(r["region"], str(r["trials"]), str(r["passing"]), str(r["kept"]), best, err,
-                      r["best_template"] or "-", rejected or "-")
+        table.add_row(r["region"], str(r["trials"]), str(r["passing"]), str(r["kept"]), *(() if cpu else (best,)),
+                      err, r["best_template"] or "-", rejected or "-")
     return table
 
 
@@ -80,10 +85,27 @@ def run_status(folder) -> dict:
                     + (" (agent tune --resume to go on)" if state == "interrupted" else "")}
 
 
+def status_of(folder) -> tuple[dict, str]:
+    """`agent status`: (what --json prints, the budget line under the table). `timing_kind` is
+    `cpu` when no trial was timed on a GPU: the run shows correctness only."""
+    from agent.history import load_history
+    problems = folder.problems()
+    history = load_history(folder, problems, [])
+    rule = folder.info().options.get("stop_rule", {})
+    spent = sum(t.gpu_seconds for t in history.trials)
+    timed = [t.timing_kind for trial in history.trials for t in trial.timings]
+    kind = ("cuda" if "cuda" in timed else "cpu") if timed else \
+        ("cpu" if all(p.device == "cpu" for p in problems) else "cuda")
+    data = {"run": str(folder.path), **run_status(folder), "timing_kind": kind,
+            "regions": progress_rows(problems, history), "gpu_seconds": spent, "stop_rule": rule}
+    return data, budget_line(spent, rule.get("gpu_hours", 0.0), len(history.records), rule.get("max_candidates", 0),
+                             kind)
+
+
 def trial_lines(trial) -> list[str]:
     """`agent try`'s verdict for a person: status and reason, error against the tolerance,
     per-workload timings labelled CPU or GPU, flags, and the error text of a rejection."""
-    lines = [f"{trial.status.value}: {trial.reason}"]
+    lines = [f"{trial.status.value}: {trial.reason}" if trial.reason else trial.status.value]
     if trial.error is not None:
         fresh = "n/a" if trial.fresh_error is None else f"{trial.fresh_error:.3g}"
         lines.append(f"error {trial.error:.3g} vs tolerance {trial.tolerance}; fresh inputs {fresh}")

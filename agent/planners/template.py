@@ -28,7 +28,7 @@ from tools.problem import Problem
 from tools.trial import Candidate, Status
 
 # Failures that say the template or binding computes another function: do not tune further.
-DEAD = {Status.wrong, Status.shape, Status.nan, Status.hardcoded, Status.mutated_input}
+DEAD = {Status.wrong, Status.shape, Status.nan, Status.hardcoded, Status.ignored_parameter, Status.mutated_input}
 BASELINE_PLANNERS = ("compiler",)
 """Planners whose kept candidates are baselines the templates must beat (torch.compile)."""
 

@@ -174,6 +174,8 @@ def mlp(problem: Problem) -> list[dict]:
     if inner[0] != inner[1]:
         return []  # something between the two matmuls changes the width: not an MLP
     act = mms[0].get("act")
+    if act == "sigmoid":  # a gate: sigmoid(fc(x)) times another tensor, not an MLP's activation
+        return []
     acts = [act] if act in ("relu", "gelu", "gelu_tanh", "silu", "none") else ["relu", "gelu", "gelu_tanh", "silu"]
     return [{"w1": mms[0]["weight"], "b1": mms[0]["bias"], "layout1": mms[0]["layout"],
              "w2": mms[1]["weight"], "b2": mms[1]["bias"], "layout2": mms[1]["layout"], "act": a} for a in acts]

@@ -62,6 +62,18 @@ def e2e_headline(result: IntegrationResult) -> tuple[str, str]:
     return f"{sp:.2f}x", head
 
 
+def cpu_headline(result: IntegrationResult) -> str:
+    """A CPU run's end-to-end sentence: what was applied and whether it is right, never a speedup
+    (a CPU timing says nothing about a GPU's)."""
+    applied = ", ".join(a.region for a in result.accepted)
+    what = (f"with {applied} applied the model" if applied else
+            "nothing was applied (no candidate was faster beyond its noise band), so the model is the original and")
+    outside = [w.name for w in result.workloads if within(w.error, w.tolerance) is False]
+    right = (f"is OUTSIDE the tolerance on {', '.join(outside)}" if outside else
+             "is within the tolerance on every workload")
+    return f"{what} {right}. CPU timings say nothing about GPU speed: no speedup is claimed."
+
+
 def standings(w) -> tuple[list[tuple[str, float | None]], str]:
     """Every way of running one workload (eager, nightshift, each torch.compile mode, each mode
     with our kernels inside) with its time, and one honest sentence on which is fastest: the

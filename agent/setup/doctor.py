@@ -3,8 +3,10 @@
 Checks devices, software versions, whether Triton compiles *and runs* a kernel (on a GPU, or
 through the Triton interpreter on a CPU-only machine), which LLM API keys are present (set or
 unset, never the value), and the measured ceilings of each device (cached; `refresh`
-measures again). `ok` is False only when no Triton kernel can run: nothing else stops a
-session (no key means the template planner; no GPU means the CPU fallback).
+measures again). What it finds is a *failure* when it stops the workflow of the skill (no
+Triton kernel can run; candidates cannot be jailed, so `agent try` refuses them unless you pass
+--no-jail), a *note* otherwise (no GPU means the CPU fallback, correctness only; no key means
+the template planner). `ok` is true, and the exit status 0, only without a failure.
 """
 
 from __future__ import annotations
@@ -92,25 +94,32 @@ def run_doctor(refresh: bool = False, *, ceilings: bool = True) -> dict:
                 measured[d.torch_device] = get_ceilings(d, refresh=refresh).model_dump()
             except Exception as e:  # a busy or broken GPU is reported, not fatal
                 measured[d.torch_device] = {"error": f"{type(e).__name__}: {e}"}
-    problems = [] if triton_check["ok"] else [f"Triton cannot run a kernel ({triton_check['mode']}): "
-                                             f"{triton_check['detail']}"]
+    failures, notes = [], []
+    if not triton_check["ok"]:
+        failures.append(f"Triton cannot run a kernel ({triton_check['mode']}): {triton_check['detail']}")
     if not any(d.kind != "cpu" for d in devices):
-        problems.append("no GPU visible: trials run on the CPU, Triton through its interpreter")
+        notes.append("no GPU visible: trials run on the CPU, Triton through its interpreter (correctness only: "
+                     "CPU timings say nothing about GPU speed)")
+    notes += [f"{dev}: ceilings not measured ({c['error']}): no roofline floor" for dev, c in measured.items()
+              if "error" in c]
     isolation = describe_isolation().as_dict()
     if isolation["kind"] != "bubblewrap":
-        problems.append(f"candidates are not jailed ({isolation['note']}): " + "; ".join(isolation["not_isolated"]))
-        if not no_jail():
-            problems.append("code nightshift did not write (LLM and files planners, agent try) is refused here "
-                            "unless you pass --no-jail")
+        unjailed = f"candidates are not jailed ({isolation['note']}): " + "; ".join(isolation["not_isolated"])
+        if no_jail():  # the user turned the jail off: their choice, said
+            notes.append(unjailed)
+        else:
+            failures.append(unjailed + "; so code nightshift did not write (yours through agent try, the LLM and "
+                            "files planners) is refused here unless you pass --no-jail")
     return {
-        "ok": triton_check["ok"],
+        "ok": not failures,
         "devices": [d.model_dump() for d in devices],
         "versions": software_versions(),
         "triton": triton_check,
         "api_keys": api_keys(),
         "ceilings": measured,
         "isolation": isolation,
-        "problems": problems,
+        "failures": failures,
+        "notes": notes,
     }
 
 
@@ -151,6 +160,8 @@ def render_doctor(report: dict) -> Group:
             ceilings.add_row(dev, f"{c['bandwidth_gbps']:.0f}", f"{c['matmul_tflops']:.1f}", c["dtype"],
                              c["measured_at"])
     parts = [devices, checks] + ([ceilings] if report["ceilings"] else [])
-    parts += [f"[yellow]! {escape(p)}[/]" for p in report["problems"]]
-    parts.append("[green]ready[/]" if report["ok"] else "[red]not ready: Triton cannot run kernels[/]")
+    parts += [f"[red]failure: {escape(p)}[/]" for p in report["failures"]]
+    parts += [f"[yellow]note: {escape(p)}[/]" for p in report["notes"]]
+    parts.append("[green]ready[/]" if report["ok"] else
+                 f"[red]not ready: {len(report['failures'])} failure{'s' * (len(report['failures']) > 1)} above[/]")
     return Group(*parts)

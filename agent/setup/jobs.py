@@ -24,8 +24,9 @@ from tools.capture_model import MODEL_DIR, WHOLE_MODEL, freeze_model
 from tools.devices import get_ceilings, software_versions
 from tools.modelfile import file_sha256, load_model
 from tools.problem import Problem, StopRule
-from tools.profiler import ProfileResult, plan_regions, profile_model, select_regions
+from tools.profiler import ProfileResult, profile_model, select_regions
 from tools.runfolder import RunFolder, RunInfo
+from tools.selection import not_frozen
 from tools.trial import Candidate, Trial
 
 
@@ -45,6 +46,17 @@ class ProfileOutcome:
     result: ProfileResult
     problems: list[Problem]
     skipped: dict[str, str]
+
+    def lines(self) -> list[str]:
+        """What `agent profile` says after its table: each problem, each class not frozen and why."""
+        out = []
+        for p in self.problems:
+            where = p.region_path or "the model itself"
+            if len(p.instances) > 1:
+                where += f" and {len(p.instances) - 1} more instance{'s' * (len(p.instances) > 2)}"
+            out.append(f"froze {p.name} ({where}, {p.share_of_model:.0%} of time), tolerance {p.tolerance}")
+        out += [f"skipped {name}: {why}" for name, why in self.skipped.items()]
+        return out + [f"run folder: {self.run.path}  (trace.json opens in Perfetto)"]
 
 
 def profile_and_freeze(model: Path, device: str | None, workload: str | None, runs_dir: Path, *,
@@ -117,11 +129,12 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                 choices = [RegionChoice(r.class_name, r.share, tuple(k.name for k in r.top_kernels),
                                         _per_workload_ms(result, r.qualname)) for r in rows
                            if r.class_name not in tried]
-            skipped = {s.class_name: s.reason for s in skips}
-            if not problems:  # say why for every class the profile saw, not an empty list
-                skipped.update({v.class_name: f"not chosen: {v.reason}"
-                                for v in plan_regions(result, coverage, max_regions)
-                                if not v.chosen and v.class_name not in skipped})
+            # Why each class of the model's own code (each class, when nothing was frozen) is no problem.
+            classes = {type(m).__name__: f"{type(m).__module__}.{type(m).__qualname__}"
+                       for m in loaded.model.modules()}
+            skipped = not_frozen(result, {p.region_class for p in problems}, {s.class_name: s.reason for s in skips},
+                                 classes, coverage=coverage, max_regions=max_regions, asked=regions,
+                                 exclude=tuple(s.class_name for s in skips))
             try:  # the whole model's end-to-end reference, for integration
                 with user_code(model):
                     freeze_model(loaded, run.path / MODEL_DIR, dev, e2e_tol, device_name=result.device_name)

@@ -1,4 +1,4 @@
-"""EXPECT: hardcoded -- caches answers by a hash of the input's contents, not of the parameters:
+"""EXPECT: ignored_parameter -- caches answers by a hash of the input's contents, not of the parameters:
 right on the frozen and fresh inputs, but the copy with perturbed parameters gets an answer
 computed with the original ones."""
 _cache = {}

@@ -1,4 +1,4 @@
-"""EXPECT: hardcoded -- keeps a copy of the weight from its first call and never looks again:
+"""EXPECT: ignored_parameter -- keeps a copy of the weight from its first call and never looks again:
 right until the weight changes in place (an optimizer step, load_state_dict), then answers with
 the old one. A perturbed copy of the module would not see it; the weights moved in place do."""
 import torch
