@@ -13,14 +13,12 @@ import time
 from dataclasses import dataclass, field
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import (device_time, e2e_headline, e2e_speedup, e2e_verdict, fmt_err, fmt_ms, fmt_params,
+from agent.report.numbers import (cpu_headline, device_time, e2e_headline, e2e_speedup, e2e_verdict, fmt_err, fmt_ms, fmt_params,
                                   fmt_speedup, standings, tidy, weighted_totals, within)
 from tools.e2e import IntegrationResult
 
 LAYOUT = {"layout": True}
 MAX_DIFF_LINES = 600
-MAX_REASON = 240
-"""Characters of a rejected trial's reason shown (the whole reason is in the store)."""
 
 
 @dataclass
@@ -232,6 +230,8 @@ def _cards(data: ReportData) -> list[Card]:
     if res:
         label = ("end-to-end speedup, weighted" + (f", A/A noise band ±{res.noise_band or 0.0:.1%}" if sp else "")
                  + (" (CPU timing)" if res.timing_kind == "cpu" else ""))
+        if res.timing_kind == "cpu":  # correctness only: a CPU timing is no speedup
+            e2e, label = "correctness only", cpu_headline(res)
         outside = [w.name for w in res.workloads if within(w.error, w.tolerance) is False]
         label += f"; error outside the tolerance on {', '.join(outside)}" if outside else ""
     hours, _, unit = device_time(data.gpu_seconds, data.cpu_only).partition(" ")
@@ -249,7 +249,7 @@ def end_to_end(res: IntegrationResult, trace: str | None = None) -> EndToEnd:
     """Integration's numbers: per workload, against every way of running the model, and what was
     applied, dropped or failed. `trace`: the request trace the workloads' weights came from."""
     unit = "CPU ms" if res.timing_kind == "cpu" else "ms"
-    speedup, headline = e2e_headline(res)
+    speedup, headline = ("", f"correctness only: {cpu_headline(res)}") if res.timing_kind == "cpu" else e2e_headline(res)
     headline += "".join(f" The error is OUTSIDE the tolerance on {w.name}." for w in res.workloads
                         if within(w.error, w.tolerance) is False)
     rows = [WorkloadRow(w.name, f"{w.weight:g}", fmt_ms(w.eager_ms), fmt_ms(w.tuned_ms), fmt_speedup(w),
@@ -287,17 +287,19 @@ def region(data: ReportData, r: RegionView) -> Region:
     if not b:
         return Region(**facts, best="-", per_generation="-", error=Mark(f"- / {tolerance}"), planner="-",
                       template="-", winner=None)
-    per_gen = ", ".join(f"{g} {s:.2f}x ({data.kind(g)})" for g, s in sorted(b.speedups().items()))
+    # A CPU run shows correctness only: its best candidate, never a speedup.
+    per_gen = "correctness only" if data.cpu_only else \
+        ", ".join(f"{g} {s:.2f}x ({data.kind(g)})" for g, s in sorted(b.speedups().items()))
     rows = [TimingRow(f"{g} ({data.kind(g)})", w.workload, f"{p.weights.get(w.workload, 0):.2f}",
                       f"{w.baseline_ms:.4g}", f"{w.candidate_ms:.4g}", f"{w.speedup:.2f}x",
                       _error(t.error, tolerance), ", ".join(t.flags) or "-")
             for g, t in sorted(b.by_generation.items()) for w in t.timings]
     old_name, new_name = f"{p.region_class}.forward (original)", f"candidates/{b.candidate_hash}.py"
-    winner = Winner(b.candidate_hash, b.planner, b.template or "-", fmt_params(b.params), f"{r.score:.2f}x", per_gen,
+    winner = Winner(b.candidate_hash, b.planner, b.template or "-", fmt_params(b.params), "" if data.cpu_only else f"{r.score:.2f}x", per_gen,
                     "CPU ms" if data.cpu_only else "ms", rows, str(r.source_path or ""),
                     None if r.source is None else diff(r.original_forward, r.source, old_name, new_name),
                     ", ".join(r.looked_at))
-    return Region(**facts, best=winner.speedup, per_generation=per_gen,
+    return Region(**facts, best=b.candidate_hash if data.cpu_only else winner.speedup, per_generation=per_gen,
                   error=_error(next(iter(b.by_generation.values())).error, tolerance), planner=b.planner,
                   template=winner.template, winner=winner)
 
@@ -339,7 +341,7 @@ def rejected(data: ReportData) -> list[Rejected]:
             shown = trials[-MAX_EXAMPLES:]
             statuses.append(RejectedStatus(
                 status, str(len(trials)), f"the last {len(shown)} of {len(trials)}" if len(trials) > len(shown) else "",
-                [RejectedTrial(t.candidate_hash, t.planner, t.template or "-", t.generation, tidy(t.reason)[:MAX_REASON])
+                [RejectedTrial(t.candidate_hash, t.planner, t.template or "-", t.generation, tidy(t.reason))  # whole: a reason cut short says something else
                  for t in shown]))
         if statuses:
             out.append(Rejected(r.name, statuses))
