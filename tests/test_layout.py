@@ -1,6 +1,6 @@
 """The shape of the code: imports point one way (no import circle anywhere in agent/, sandbox/
 and tools/, tools/ imports no agent/ or sandbox/), and the review code lives in two sub-packages
-of agent/ with files a reader can take in."""
+of agent/ with files and functions a reader can take in."""
 
 import ast
 from pathlib import Path
@@ -152,3 +152,45 @@ def test_agent_files_stay_short():
         assert len(f.read_text().splitlines()) <= 400, f
     for gone in ("report.py", "report_html.py", "plots.py", "apply.py", "merge.py", "rename.py", "cli.py", "loop.py"):
         assert not (ROOT / "agent" / gone).exists(), gone
+
+
+LONG_FUNCTION = 80
+"""Lines (def to last line) at which a function is split where a name would explain a part."""
+STILL_LONG = {
+    "agent/cli/session.py:_search_and_review": 87,
+    "agent/search/loop.py:tune": 115,
+    "agent/search/tuning.py:run_tune": 98,
+    "agent/setup/jobs.py:profile_and_freeze": 89,
+    "sandbox/verify_runs.py:run": 95,
+    "tools/capture.py:_freeze_one": 127,
+    "tools/verify.py:judge": 111,
+}
+"""The functions still that long (issue 52, item 4), each at its length today: the list only shrinks."""
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> dict[str, int]:
+    """Every function in `tree`, methods and nested ones too, by qualified name (Class.method,
+    outer.inner) -> its length in lines."""
+    out = {}
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[prefix + node.name] = node.end_lineno - node.lineno + 1
+            out |= _functions(node, f"{prefix}{node.name}.")
+        else:
+            out |= _functions(node, f"{prefix}{node.name}." if isinstance(node, ast.ClassDef) else prefix)
+    return out
+
+
+def test_no_function_is_too_long_to_read_but_the_ones_listed_and_those_only_shrink():
+    long = {f"{path.relative_to(ROOT).as_posix()}:{name}": n for package in PRODUCT
+            for path in sorted((ROOT / package).rglob("*.py"))
+            for name, n in _functions(ast.parse(path.read_text())).items() if n >= LONG_FUNCTION}
+    assert {k: n for k, n in long.items() if k not in STILL_LONG} == {}  # split it where a name explains a part
+    assert {k: (STILL_LONG[k], n) for k, n in long.items() if k in STILL_LONG and n > STILL_LONG[k]} == {}
+    assert sorted(set(STILL_LONG) - set(long)) == []  # under the limit now, or gone: strike it from the list
+
+
+def test_the_length_check_sees_methods_and_nested_functions():
+    tree = ast.parse("def f():\n    def g():\n        pass\n    return g\n\n\nclass C:\n    async def m(self):\n"
+                     "        return 1\n")
+    assert _functions(tree) == {"f": 4, "f.g": 2, "C.m": 2}

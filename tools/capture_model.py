@@ -15,7 +15,7 @@ from tools.capture import _constant, _eval_note, _source, _state_written, _train
 from tools.fixed_answer import FIXED_INTS_NOTE, fresh_draws, rewrites_reason, rewrites_when_moved
 from tools.inplace import inplace_paths
 from tools.graph import signature_facts
-from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, tensors_in
+from tools.modelfile import LoadedModel, WorkloadInputs, file_sha256, host_copy, inplace_names, tensors_in
 from tools.recording import not_plain
 from tools.problem import Problem, TensorSpec, Tolerance, Workload, default_tolerance, tensor_hash
 from tools.region import draws_random, flatten, module_state, seeded_rng
@@ -42,39 +42,9 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
     random = False
     with torch.no_grad():
         for w in loaded.workloads:
-            if hasattr(w, "restore"):
-                w.restore()  # a KV cache starts as the workload made it, not as the last forward left it
-            if odd := not_plain(list(w.inputs), "input"):  # the sandbox loads frozen inputs as plain data only
-                raise ValueError(f"the model takes what cannot be frozen as plain data ({odd} on {w.name!r}; tensors, "
-                                 "numbers, strings and lists, tuples and dicts of them can be)")
-            input_set = {"args": host_copy(list(w.inputs)), "kwargs": {}}
-            out, draws = draws_random(lambda: loaded.model(*w.inputs), device)
-            if draws:  # no fixed answer: the model's calls are seeded, here and in every worker
-                random = True
-                if hasattr(w, "restore"):
-                    w.restore()
-                with seeded_rng(device):
-                    out = loaded.model(*w.inputs)
-            leaves, structure = flatten(out)
-            del out
-            if structure.startswith("?") or "?" in structure:
-                raise ValueError(f"the model returns something other than tensors ({structure}) on {w.name!r}")
-            outs = [host_copy(t) for t in leaves]
-            tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.numel()]
-            floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
-            if not tensors:
-                raise ValueError(f"the model returns no tensor to compare on {w.name!r}")
-            ref_max = max((float(t.abs().max()) for t in floats), default=0.0)
-            if tolerance is not None:
-                tol, source = tolerance, "cli"
-            elif not floats:
-                tol, source = default_tolerance(tensors[0].dtype, 0.0), "default (integer outputs: exact)"
-            elif random:  # a wider dtype draws other numbers: no calibration against it
-                tol, source = default_tolerance(floats[0].dtype, ref_max), "default (the model draws random numbers)"
-            elif any(t.is_complex() for t in floats):  # the wide run's casts would drop imaginary parts
-                tol, source = default_tolerance(floats[0].dtype, ref_max), "default (complex outputs)"
-            else:
-                tol, source = calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
+            input_set, structure, outs, draws = _reference_outputs(loaded, w, device)
+            random = random or draws  # once one workload draws, every later one is judged as random too
+            tol, source = _workload_tolerance(loaded, w, outs, tolerance, random)
             if hasattr(w, "restore"):
                 w.restore()
             inputs.append(input_set)
@@ -84,14 +54,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(input_set))],
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
     model = loaded.model
-    if written := _state_written(model, state, versions):  # the sandbox refuses a trial that writes them too
-        raise ValueError(f"the model changes its own parameters or buffers in its forward ({', '.join(written[:3])}): "
-                         "every call starts from another state, so it has no fixed answer to compare with")
-    fixed_ints, why = fresh_draws(model, inputs[0], device, random)
-    if why:
-        raise ValueError(f"the model raises on fresh inputs drawn from the frozen ones ({why})")
-    if rewritten := rewrites_when_moved(model, lambda m, a, k: m(*a, **k), inputs[0], device, random, fixed_ints):
-        raise ValueError(rewrites_reason("the model", rewritten))
+    fixed_ints = _fixed_answer(model, state, versions, inputs[0], device, random)
     constant = _constant([t for r in reference for t in r["outputs"]])
     problem = Problem(
         name=MODEL_PROBLEM, region_class=type(model).__qualname__, region_path="", instances=[""],
@@ -110,6 +73,63 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                    "computing; its trials are flagged"] if constant is not None else []))
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem
+
+
+def _reference_outputs(loaded: LoadedModel, w: WorkloadInputs, device: torch.device) -> tuple[dict, str, list, bool]:
+    """One workload's inputs as frozen, the structure of the model's answer and its outputs on the
+    host, and whether the model drew random numbers (then its answer is the seeded call's)."""
+    if hasattr(w, "restore"):
+        w.restore()  # a KV cache starts as the workload made it, not as the last forward left it
+    if odd := not_plain(list(w.inputs), "input"):  # the sandbox loads frozen inputs as plain data only
+        raise ValueError(f"the model takes what cannot be frozen as plain data ({odd} on {w.name!r}; tensors, "
+                         "numbers, strings and lists, tuples and dicts of them can be)")
+    input_set = {"args": host_copy(list(w.inputs)), "kwargs": {}}
+    out, draws = draws_random(lambda: loaded.model(*w.inputs), device)
+    if draws:  # no fixed answer: the model's calls are seeded, here and in every worker
+        if hasattr(w, "restore"):
+            w.restore()
+        with seeded_rng(device):
+            out = loaded.model(*w.inputs)
+    leaves, structure = flatten(out)
+    del out
+    if structure.startswith("?") or "?" in structure:
+        raise ValueError(f"the model returns something other than tensors ({structure}) on {w.name!r}")
+    return input_set, structure, [host_copy(t) for t in leaves], draws
+
+
+def _workload_tolerance(loaded: LoadedModel, w: WorkloadInputs, outs: list, tolerance: Tolerance | None,
+                        random: bool) -> tuple[Tolerance, str]:
+    """The tolerance of one workload's outputs and where it came from: given, the default where a
+    calibration cannot be trusted, else `calibrated_tolerance`."""
+    tensors = [t for t in outs if isinstance(t, torch.Tensor) and t.numel()]
+    floats = [t for t in tensors if t.is_floating_point() or t.is_complex()]
+    if not tensors:
+        raise ValueError(f"the model returns no tensor to compare on {w.name!r}")
+    ref_max = max((float(t.abs().max()) for t in floats), default=0.0)
+    if tolerance is not None:
+        return tolerance, "cli"
+    if not floats:
+        return default_tolerance(tensors[0].dtype, 0.0), "default (integer outputs: exact)"
+    if random:  # a wider dtype draws other numbers: no calibration against it
+        return default_tolerance(floats[0].dtype, ref_max), "default (the model draws random numbers)"
+    if any(t.is_complex() for t in floats):  # the wide run's casts would drop imaginary parts
+        return default_tolerance(floats[0].dtype, ref_max), "default (complex outputs)"
+    return calibrated_tolerance(loaded.model, list(w.inputs), outs, floats[0].dtype, ref_max)
+
+
+def _fixed_answer(model: torch.nn.Module, state: dict, versions: dict, first_inputs: dict, device: torch.device,
+                  random: bool) -> bool:
+    """The model's fixed integer inputs (tools/fixed_answer.py), once it is known to answer the
+    same from the same state on fresh inputs, wherever they live; a ValueError where it does not."""
+    if written := _state_written(model, state, versions):  # the sandbox refuses a trial that writes them too
+        raise ValueError(f"the model changes its own parameters or buffers in its forward ({', '.join(written[:3])}): "
+                         "every call starts from another state, so it has no fixed answer to compare with")
+    fixed_ints, why = fresh_draws(model, first_inputs, device, random)
+    if why:
+        raise ValueError(f"the model raises on fresh inputs drawn from the frozen ones ({why})")
+    if rewritten := rewrites_when_moved(model, lambda m, a, k: m(*a, **k), first_inputs, device, random, fixed_ints):
+        raise ValueError(rewrites_reason("the model", rewritten))
+    return fixed_ints
 
 
 def calibrated_tolerance(model: torch.nn.Module, inputs: list, outputs: list, dtype: torch.dtype,

@@ -25,16 +25,15 @@ The result is `runs/<run>/integration.json` (tools/e2e.py).
 
 from __future__ import annotations
 
-import hashlib
-import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from agent.review import dispatch
 from agent.history import CandidateRecord, History
 from agent.history import load_history
-from agent.report.numbers import times
 from agent.review.compile_caches import CompileCaches
+from agent.review.plans import MAX_TRIES, candidate_path, plans, sourced
 from agent.review.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
                         whole_model)
 from sandbox.pool import DevicePool
@@ -52,18 +51,9 @@ UNGRAPHED_WAY = "nightshift, no CUDA graphs"
 if TYPE_CHECKING:
     from agent.review.early_baselines import EarlyBaselines
 
-MAX_TRIES = 3
-"""Kept candidates tried per region, best first."""
-NOT_FASTER = "not faster than the original beyond the noise band"
+
 class IntegrationError(Exception):
     """Integration could not judge the model (one line; the CLI exits 1)."""
-
-
-def expected_gain(share: float, speedup: float | None) -> float:
-    """Fraction of the model's time a region's winner saves: share x (1 - 1/speedup)."""
-    if not speedup or speedup <= 0 or not math.isfinite(speedup):
-        return -math.inf
-    return share * (1.0 - 1.0 / speedup)
 
 
 def integrate(run: RunFolder | Path, device: str | None = None, baselines: bool = True, **how) -> IntegrationResult:
@@ -92,175 +82,210 @@ def _integrate(run: RunFolder, device: str | None = None, baselines: bool = True
     the tuned model was slower on some workloads, every way with our kernels again with the
     original's code on those (`_rerouted`)."""
     model, folder, dev, worker_device = whole_model(run, device)
-    notes: list[str] = []
-
-    def note(text: str) -> None:
-        notes.append(text)
-        on_note(text)
-
+    notes = _Notes(on_note)
     if dev.type != model.device:
-        note(f"the model was frozen on {model.device} and is integrated on {dev.type}: its reference outputs "
-             "come from another device")
+        notes(f"the model was frozen on {model.device} and is integrated on {dev.type}: its reference outputs "
+              "come from another device")
     problems = run.problems()
     history = load_history(run, problems, [])
     dropped: list[DroppedCandidate] = []
-    plans = []
-    for p in problems:
-        gens = history.targets(p.name)
-        kept = history.kept(p.name)
-        if not kept:
-            note(f"{p.name}: no candidate passed on every target generation; the original stays")
-            continue
-        wins = [r for r in kept if all(r.by_generation[g].win for g in gens)]
-        shaped = dispatch.region_dispatcher(run, p, kept, gens, wins[0] if wins else None, lambda r: _source(run, r)[0])
-        if not wins and shaped is None:
-            dropped.append(DroppedCandidate(region=p.name, candidate_hash=kept[0].candidate_hash,
-                                            reason=f"{NOT_FASTER} (best kept {times(kept[0].score(gens))})"))
-            continue
-        # The per-shape choice first: on every workload it is at least as fast as the best single one.
-        tries = ([shaped[0]] if shaped else []) + wins[:max_tries]
-        score = shaped[1] if shaped else wins[0].score(gens)
-        plans.append((expected_gain(p.share_of_model, score), score, p, tries, gens))
-    plans.sort(key=lambda x: (-x[0], -x[1]))
-
-    lim = limits or LIMITS
+    planned = plans(run, problems, history, max_tries, notes, dropped)
     # One worker verifies or times at a time, on the CPU too; the others only compile. On a GPU,
     # across every tuner of the host too (sandbox/device_lock.py).
-    pool = DevicePool(worker_device, [folder], limits=lim, memory_gb=memory_gb, cpu_lock=True)
+    pool = DevicePool(worker_device, [folder], limits=limits or LIMITS, memory_gb=memory_gb, cpu_lock=True)
     caches = CompileCaches(run.path)  # the ways with our kernels start from their mode's baseline's
     on_in_flight(pool.in_flight)
-    runner = pool.runners[0]
     # One draw of fresh inputs and perturbed parameters for every check of the model here (each
     # winner routed in, then every way of running it): each worker sees the seeds only when it is
     # verified, and the reference worker computes the original's answers once, not per check
     # (with KV caches among the outputs, gigabytes per input set).
     draw = (seed(), seed())
-    chosen = [name for name in BASELINES if modes is None or name in modes] if baselines else []
-    if baselines and (left := [name for name in BASELINES if name not in chosen]):
-        note(f"not compared against {', '.join(left)} (--compile-modes): the fastest way is named among the others")
-    if dev.type == "cpu" and not baselines:
-        note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
-    if model.seeded_calls and chosen:
-        note("the model draws random numbers, so every compiled way ran with Inductor's fallback_random "
-             "(torch's own random numbers, checkable against the frozen outputs); a user's torch.compile "
-             "draws Inductor's, which may be faster")
-
-    # Inside a compiled model a region's kernel competes with the compiler's code for the region,
-    # not with eager: there each region keeps ours only where it beat torch.compile of the region.
-    seen: dict[str, CandidateRecord] = {}  # every winner routed so far, for what a dispatcher of them runs
-
-    def inside(accepted: list, say: Callable[[str], None] = lambda text: None) -> dict[str, tuple[str | None, list[str]]]:
-        seen.update({rec.candidate_hash: rec for _, rec, _ in accepted})
-        return _compiled_routes(run, history, accepted, say, seen) if chosen else {}
-
-    def every_way(accepted: list[tuple[Problem, CandidateRecord, str]]) -> list[tuple[str, Candidate]]:
-        return ways_of(accepted, graphed=dev.type == "cuda" and cuda_graphs, baselines=chosen if early is None else [],
-                       composed=chosen, on_step=on_step, eager_rng=model.seeded_calls,
-                       compiled_routes={name: route for name, (route, _) in inside(accepted).items()})
-
-    def tabulate(accepted: list, final: Trial, say: Callable[[str], None], said: list[str]) -> IntegrationResult:
-        """The result of the ways run so far, with `final` the tuned model's trial; `say` adds a
-        note to `said`, the notes it carries."""
-        graphed = False
-        # The CUDA-graph way and the tuned model both stay in the table: the one not in the
-        # nightshift column is a column of its own (it may be the faster on some workloads).
-        also: dict[str, Trial] = {}
-        if (g := trials.get("graphed")) is not None:
-            if g.status.value == "ok" and g.speedup and final.speedup and \
-                    g.speedup > final.speedup * (1 + (g.noise_band or 0.0)):
-                also[UNGRAPHED_WAY] = final
-                final, graphed = g, True
-                say("the tuned model captured in a CUDA graph per workload shape was faster: it is the one timed "
-                    f"(without the graphs: '{UNGRAPHED_WAY}')")
-            elif g.status.value == "ok":
-                also[GRAPHED_WAY] = g
-            else:
-                say(f"CUDA-graph capture of the tuned model failed: {g.status.value}: {g.reason}")
-        if not accepted:
-            say("nothing was applied: the table times the untouched model against itself (A/A)")
-        compiled = inside(accepted, say)
-        rows = [WorkloadResult(name=t.workload, weight=w.weight, eager_ms=t.baseline_ms, tuned_ms=t.candidate_ms,
-                               speedup=t.speedup, noise_band=t.noise_band, verdict=t.verdict,
-                               error=final.workload_errors.get(w.name), tolerance=str(model.tolerance_for(i)))
-                for i, (w, t) in enumerate(zip(model.workloads, final.timings))]
-        errors: dict[str, str] = {}
-        fallbacks: dict[str, str] = {}
-        dynamo: dict[str, dict] = {}
-        for way, b in ({w: trials.get(w) for w in [*BASELINES, *map(composed_name, BASELINES)]} | also).items():
-            if b is None:
-                continue
-            name, compiled_way = way, way not in also
-            if b.dynamo and compiled_way:
-                dynamo[way] = b.dynamo
-            # A compiled way that ran eager is never called by the compiler's name.
-            if compiled_way and (why := b.compile_fallback) and (way in BASELINES or why.startswith("fell back")):
-                name = f"{way} (ran eager)" if why.startswith("fell back") else f"{way} (partly eager)"
-                fallbacks[name] = why
-            if b.status.value != "ok":
-                errors[name] = f"{b.status.value}: {b.reason}"
-            for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
-                row.baselines[name] = t.candidate_ms if t else None
-                row.baseline_speedups[name] = t.speedup if t else None
-                row.baseline_bands[name] = t.noise_band if t else None
-        hello = dict(runner.worker.hello or runner.reference.hello)
-        return IntegrationResult(
-            device=worker_device, device_name=hello.get("device_name", ""), generation=hello.get("generation", ""),
-            timing_kind=final.timings[0].timing_kind if final.timings else "cpu", workloads=rows, dropped=list(dropped),
-            baseline_errors=errors, baseline_fallbacks=fallbacks, dynamo=dynamo, notes=list(said),
-            noise_band=final.noise_band, cuda_graph=graphed,
-            accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
-                                     candidate_path=str(_path(run, rec)), planner=rec.planner, template=rec.template,
-                                     region_speedup=rec.score(history.targets(p.name)) or None,
-                                     instances=len(p.instances),
-                                     under_compile=compiled[p.name][1] if p.name in compiled else None)
-                      for p, rec, _ in accepted])
-
+    chosen = _compile_modes(baselines, modes, dev.type, model.seeded_calls, notes)
+    it = _Integration(run=run, model=model, history=history, pool=pool, runner=pool.runners[0], caches=caches,
+                      draw=draw, chosen=chosen, early=early, graphed=dev.type == "cuda" and cuda_graphs,
+                      notes=notes, dropped=dropped, on_step=on_step, on_in_flight=on_in_flight)
     try:
-        # Every region's best winner at once first: every way of running the model, each in a
-        # worker of its own, all compiling at once, nothing timed meanwhile; then each verified
-        # and timed against the untouched model, one after another. Only when that tuned model
-        # fails end to end are the winners routed in one by one (errors that compound).
-        sourced = []
-        for _, _, p, tries, gens in plans:
-            readable = []
-            for rec in tries:
-                source, why = _source(run, rec)
-                if source is None:
-                    dropped.append(DroppedCandidate(region=p.name, candidate_hash=rec.candidate_hash, reason=why))
-                else:
-                    readable.append((rec, source))
-            if readable:
-                sourced.append((p, readable))
-        accepted = [(p, *readable[0]) for p, readable in sourced]
-        runner.worker.kill()
-        trials = side_by_side(pool, every_way(accepted), on_step, draw,
-                               keep_answers=True, first_must_pass=bool(accepted), caches=caches)
-        if accepted and trials["tuned"].status.value != "ok":
-            on_step(f"the winners together failed end to end ({_end_to_end(trials['tuned'])}): routed in one by one")
-            accepted = _one_by_one(runner, sourced, draw, dropped, on_step)
-            runner.worker.kill()
-            trials = side_by_side(pool, every_way(accepted), on_step, draw, caches=caches)
-        if chosen and early is not None:  # started beside the search: waited for only now
-            trials.update({n: t for n, t in early.result(on_in_flight).items() if n in chosen})
-            on_in_flight(pool.in_flight)
-            if missing := [w for w in baseline_ways(chosen, model.seeded_calls) if w[0] not in trials]:
-                trials.update(side_by_side(pool, missing, on_step, draw, caches=caches))
-        final = trials["tuned"]
-        if final.status.value != "ok":
-            raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
-        if (dev.type == "cuda" if reroute is None else reroute) and (losing := _slower(model, final, accepted)):
-            # The first routing's table is kept before every way compiles again: a tune stopped
-            # meanwhile (its step's time, Ctrl-C) still has it.
-            first = [*notes, f"this is the first routing's table: the tuned model was slower on {', '.join(sorted(losing))}, "
-                     "and integration was stopped while it ran every way again with the original's code there"]
-            tabulate(accepted, final, first.append, first).save(run.path)
-            accepted, final = _rerouted(run, pool, accepted, losing, trials, every_way, draw, note, on_step, caches)
-        result = tabulate(accepted, final, note, notes)
+        result = _run_ways(it, planned, dev.type == "cuda" if reroute is None else reroute)
     finally:
         pool.close()
         caches.drop_copies()
     result.save(run.path)
     return result
+
+
+@dataclass
+class _Notes:
+    """The notes of one table, each passed on to `on_note` as it is said."""
+    on_note: Callable[[str], None]
+    said: list[str] = field(default_factory=list)
+
+    def __call__(self, text: str) -> None:
+        self.said.append(text)
+        self.on_note(text)
+
+
+def _compile_modes(baselines: bool, modes: list[str] | None, device_type: str, seeded: bool, note: _Notes) -> list[str]:
+    """The torch.compile modes the model is compared against (names of BASELINES), and the notes
+    on those it is not."""
+    chosen = [name for name in BASELINES if modes is None or name in modes] if baselines else []
+    if baselines and (left := [name for name in BASELINES if name not in chosen]):
+        note(f"not compared against {', '.join(left)} (--compile-modes): the fastest way is named among the others")
+    if device_type == "cpu" and not baselines:
+        note("torch.compile baselines skipped: on the CPU they are slow to compile (ask for them with --baselines)")
+    if seeded and chosen:
+        note("the model draws random numbers, so every compiled way ran with Inductor's fallback_random "
+             "(torch's own random numbers, checkable against the frozen outputs); a user's torch.compile "
+             "draws Inductor's, which may be faster")
+    return chosen
+
+
+@dataclass
+class _Integration:
+    """What every step of one integration shares: the run and its whole-model problem, the device's
+    pool and its first runner, the one draw of inputs, the compile modes compared against, and
+    what has been noted and dropped so far."""
+    run: RunFolder
+    model: Problem
+    history: History
+    pool: DevicePool
+    runner: TrialRunner
+    caches: CompileCaches
+    draw: tuple[int, int]
+    chosen: list[str]
+    early: EarlyBaselines | None
+    graphed: bool  # a CUDA-graph way is run: on a GPU, unless turned off
+    notes: _Notes
+    dropped: list[DroppedCandidate]
+    on_step: Callable[[str], None]
+    on_in_flight: Callable[[Callable[[], list[str]]], None]
+    seen: dict[str, CandidateRecord] = field(default_factory=dict)
+    """Every winner routed so far, for what a dispatcher of them runs."""
+
+    def compiled_routes(self, accepted: list, say: Callable[[str], None] = lambda text: None
+                        ) -> dict[str, tuple[str | None, list[str]]]:
+        """Inside a compiled model a region's kernel competes with the compiler's code for the
+        region, not with eager: there each region keeps ours only where it beat torch.compile of
+        the region (`_compiled_routes`)."""
+        self.seen.update({rec.candidate_hash: rec for _, rec, _ in accepted})
+        return _compiled_routes(self.run, self.history, accepted, say, self.seen) if self.chosen else {}
+
+    def every_way(self, accepted: list[tuple[Problem, CandidateRecord, str]]) -> list[tuple[str, Candidate]]:
+        return ways_of(accepted, graphed=self.graphed, baselines=self.chosen if self.early is None else [],
+                       composed=self.chosen, on_step=self.on_step, eager_rng=self.model.seeded_calls,
+                       compiled_routes={name: route for name, (route, _) in self.compiled_routes(accepted).items()})
+
+    def tabulate(self, accepted: list, final: Trial, trials: dict[str, Trial], notes: _Notes) -> IntegrationResult:
+        """The result of the ways run so far (`trials`), with `final` the tuned model's trial; what
+        it notes goes to `notes`, whose notes it carries."""
+        final, graphed, also = _nightshift_column(trials.get("graphed"), final, notes)
+        if not accepted:
+            notes("nothing was applied: the table times the untouched model against itself (A/A)")
+        compiled = self.compiled_routes(accepted, notes)
+        rows = [WorkloadResult(name=t.workload, weight=w.weight, eager_ms=t.baseline_ms, tuned_ms=t.candidate_ms,
+                               speedup=t.speedup, noise_band=t.noise_band, verdict=t.verdict,
+                               error=final.workload_errors.get(w.name), tolerance=str(self.model.tolerance_for(i)))
+                for i, (w, t) in enumerate(zip(self.model.workloads, final.timings))]
+        errors, fallbacks, dynamo = _compiled_columns(rows, trials, also)
+        hello = dict(self.runner.worker.hello or self.runner.reference.hello)
+        return IntegrationResult(
+            device=self.pool.device, device_name=hello.get("device_name", ""), generation=hello.get("generation", ""),
+            timing_kind=final.timings[0].timing_kind if final.timings else "cpu", workloads=rows,
+            dropped=list(self.dropped), baseline_errors=errors, baseline_fallbacks=fallbacks, dynamo=dynamo,
+            notes=list(notes.said), noise_band=final.noise_band, cuda_graph=graphed,
+            accepted=[AcceptedRegion(region=p.name, candidate_hash=rec.candidate_hash,
+                                     candidate_path=str(candidate_path(self.run, rec)), planner=rec.planner,
+                                     template=rec.template,
+                                     region_speedup=rec.score(self.history.targets(p.name)) or None,
+                                     instances=len(p.instances),
+                                     under_compile=compiled[p.name][1] if p.name in compiled else None)
+                      for p, rec, _ in accepted])
+
+
+def _run_ways(it: _Integration, planned: list, reroute: bool) -> IntegrationResult:
+    """Every way of running the model with the winners routed in, verified and timed against the
+    untouched model; rerouted where `reroute` and the tuned model was slower on some workloads."""
+    accepted, trials = _first_routing(it, sourced(it.run, planned, it.dropped))
+    if it.chosen and it.early is not None:  # started beside the search: waited for only now
+        trials.update({n: t for n, t in it.early.result(it.on_in_flight).items() if n in it.chosen})
+        it.on_in_flight(it.pool.in_flight)
+        if missing := [w for w in baseline_ways(it.chosen, it.model.seeded_calls) if w[0] not in trials]:
+            trials.update(side_by_side(it.pool, missing, it.on_step, it.draw, caches=it.caches))
+    final = trials["tuned"]
+    if final.status.value != "ok":
+        raise IntegrationError(f"the tuned model failed when run again: {final.status.value}: {final.reason}")
+    if reroute and (losing := _slower(it.model, final, accepted)):
+        # The first routing's table is kept before every way compiles again: a tune stopped
+        # meanwhile (its step's time, Ctrl-C) still has it.
+        first = _Notes(lambda text: None, [*it.notes.said, "this is the first routing's table: the tuned model was "
+                                           f"slower on {', '.join(sorted(losing))}, and integration was stopped "
+                                           "while it ran every way again with the original's code there"])
+        it.tabulate(accepted, final, trials, first).save(it.run.path)
+        accepted, final = _rerouted(it, accepted, losing, trials)
+    return it.tabulate(accepted, final, trials, it.notes)
+
+
+def _first_routing(it: _Integration, candidates: list) -> tuple[list, dict[str, Trial]]:
+    """Every region's best winner at once first: every way of running the model, each in a worker
+    of its own, all compiling at once, nothing timed meanwhile; then each verified and timed
+    against the untouched model, one after another. Only when that tuned model fails end to end
+    are the winners routed in one by one (errors that compound), and every way run with those."""
+    accepted = [(p, *readable[0]) for p, readable in candidates]
+    it.runner.worker.kill()
+    trials = side_by_side(it.pool, it.every_way(accepted), it.on_step, it.draw,
+                          keep_answers=True, first_must_pass=bool(accepted), caches=it.caches)
+    if accepted and trials["tuned"].status.value != "ok":
+        it.on_step(f"the winners together failed end to end ({_end_to_end(trials['tuned'])}): routed in one by one")
+        accepted = _one_by_one(it.runner, candidates, it.draw, it.dropped, it.on_step)
+        it.runner.worker.kill()
+        trials = side_by_side(it.pool, it.every_way(accepted), it.on_step, it.draw, caches=it.caches)
+    return accepted, trials
+
+
+def _nightshift_column(graphed_way: Trial | None, final: Trial, say: Callable[[str], None]
+                       ) -> tuple[Trial, bool, dict[str, Trial]]:
+    """The trial of the nightshift column (the tuned model's CUDA-graph capture, where that was
+    faster beyond the band), whether it is the graphed one, and the other way as a column of its
+    own (it may be the faster on some workloads)."""
+    graphed = False
+    also: dict[str, Trial] = {}
+    if (g := graphed_way) is not None:
+        if g.status.value == "ok" and g.speedup and final.speedup and \
+                g.speedup > final.speedup * (1 + (g.noise_band or 0.0)):
+            also[UNGRAPHED_WAY] = final
+            final, graphed = g, True
+            say("the tuned model captured in a CUDA graph per workload shape was faster: it is the one timed "
+                f"(without the graphs: '{UNGRAPHED_WAY}')")
+        elif g.status.value == "ok":
+            also[GRAPHED_WAY] = g
+        else:
+            say(f"CUDA-graph capture of the tuned model failed: {g.status.value}: {g.reason}")
+    return final, graphed, also
+
+
+def _compiled_columns(rows: list[WorkloadResult], trials: dict[str, Trial], also: dict[str, Trial]
+                      ) -> tuple[dict[str, str], dict[str, str], dict[str, dict]]:
+    """Each compile mode's way, ours inside each, and `also` as columns of `rows`; returns the
+    ways' errors, where a compiled one ran eager and why, and dynamo's counts per compiled way."""
+    errors: dict[str, str] = {}
+    fallbacks: dict[str, str] = {}
+    dynamo: dict[str, dict] = {}
+    for way, b in ({w: trials.get(w) for w in [*BASELINES, *map(composed_name, BASELINES)]} | also).items():
+        if b is None:
+            continue
+        name, compiled_way = way, way not in also
+        if b.dynamo and compiled_way:
+            dynamo[way] = b.dynamo
+        # A compiled way that ran eager is never called by the compiler's name.
+        if compiled_way and (why := b.compile_fallback) and (way in BASELINES or why.startswith("fell back")):
+            name = f"{way} (ran eager)" if why.startswith("fell back") else f"{way} (partly eager)"
+            fallbacks[name] = why
+        if b.status.value != "ok":
+            errors[name] = f"{b.status.value}: {b.reason}"
+        for row, t in zip(rows, b.timings if b.status.value == "ok" else [None] * len(rows)):
+            row.baselines[name] = t.candidate_ms if t else None
+            row.baseline_speedups[name] = t.speedup if t else None
+            row.baseline_bands[name] = t.noise_band if t else None
+    return errors, fallbacks, dynamo
 
 
 def _compiled_routes(run: RunFolder, history: History, accepted: list, note: Callable[[str], None],
@@ -311,50 +336,48 @@ def _slower(model: Problem, final: Trial, accepted: list) -> set[str]:
     return names if len(names) < len(final.timings) else set()
 
 
-def _rerouted(run: RunFolder, pool: DevicePool, accepted: list, losing: set[str], trials: dict[str, Trial],
-              every_way: Callable, draw: tuple[int, int], note: Callable[[str], None],
-              on_step: Callable[[str], None], caches: CompileCaches) -> tuple[list, Trial]:
+def _rerouted(it: _Integration, accepted: list, losing: set[str], trials: dict[str, Trial]) -> tuple[list, Trial]:
     """Every way with our kernels again, each region's winner now leaving the `losing` workloads'
     shapes to the original (agent/dispatch.without_workloads); kept where the tuned model passes
     again, in place of the first ways (`trials` updated). Returns the accepted winners and the
     tuned model's trial."""
     rerouted, changed = [], False
     for p, rec, source in accepted:
-        got = dispatch.without_workloads(run, p, rec, source, losing)
+        got = dispatch.without_workloads(it.run, p, rec, source, losing)
         rerouted.append((p, *got) if got else (p, rec, source))
         changed = changed or got is not None
     said = ", ".join(sorted(losing))
     if not changed:
-        note(f"our kernels were slower end to end on {said}; no region's workloads could leave them "
-             "to the original's code")
+        it.notes(f"our kernels were slower end to end on {said}; no region's workloads could leave them "
+                 "to the original's code")
         return accepted, trials["tuned"]
-    on_step(f"slower end to end on {said}: every way with our kernels again, the original's code there")
+    it.on_step(f"slower end to end on {said}: every way with our kernels again, the original's code there")
     # A compiled way whose regions all run their compiler-judged route (_compiled_routes) is unchanged.
-    first = dict(every_way(accepted))
-    ways = [w for w in every_way(rerouted) if w[0] not in BASELINES]
-    again = side_by_side(pool, [(n, c) for n, c in ways if n not in first or first[n].source != c.source],
-                         on_step, draw, caches=caches)
+    first = dict(it.every_way(accepted))
+    ways = [w for w in it.every_way(rerouted) if w[0] not in BASELINES]
+    again = side_by_side(it.pool, [(n, c) for n, c in ways if n not in first or first[n].source != c.source],
+                         it.on_step, it.draw, caches=it.caches)
     if again["tuned"].status.value != "ok":
-        note(f"slower end to end on {said}; leaving the original's code there failed "
-             f"({_end_to_end(again['tuned'])}): the first routing is timed")
+        it.notes(f"slower end to end on {said}; leaving the original's code there failed "
+                 f"({_end_to_end(again['tuned'])}): the first routing is timed")
         return accepted, trials["tuned"]
     kept = {n for n, c in ways if n not in again}
     for way in [w for w in trials if (w == "graphed" or w.startswith(composed_name(""))) and w not in kept]:
         trials.pop(way)  # of the first routing: replaced, or gone where no kernel is left
     trials.update(again)
-    note(f"our kernels were slower end to end on {said}: the original's code runs there "
-         "(the regions were judged by their kernels' device time)")
+    it.notes(f"our kernels were slower end to end on {said}: the original's code runs there "
+             "(the regions were judged by their kernels' device time)")
     return rerouted, again["tuned"]
 
 
-def _one_by_one(runner: TrialRunner, sourced: list, draw: tuple[int, int], dropped: list[DroppedCandidate],
+def _one_by_one(runner: TrialRunner, candidates: list, draw: tuple[int, int], dropped: list[DroppedCandidate],
                 on_step: Callable[[str], None]) -> list[tuple[Problem, CandidateRecord, str]]:
     """Each region's winners routed in after the ones accepted so far, best first, verified end
     to end (untimed): the first that passes is accepted, the others are dropped with the reason."""
     accepted: list[tuple[Problem, CandidateRecord, str]] = []
     runner.verify_seeds = draw
     try:
-        for p, readable in sourced:
+        for p, readable in candidates:
             for rec, source in readable:
                 trial = runner.run(routed_candidate([(q, s) for q, _, s in accepted] + [(p, source)]), do_time=False)
                 on_step(f"{p.name} {rec.candidate_hash} routed in: {trial.status.value} end to end; {phases(trial)}")
@@ -372,22 +395,3 @@ def _end_to_end(trial: Trial) -> str:
     if trial.status.value == "wrong":
         return f"end-to-end {trial.reason}"
     return f"{trial.status.value}: {trial.reason}"
-
-
-def _path(run: RunFolder, rec: CandidateRecord) -> Path:
-    recorded = [t.candidate_path for t in rec.by_generation.values() if t.candidate_path]
-    for p in recorded:
-        if Path(p).is_file():
-            return Path(p)
-    return run.candidates_dir / f"{rec.candidate_hash}.py"
-
-
-def _source(run: RunFolder, rec: CandidateRecord) -> tuple[str | None, str]:
-    path = _path(run, rec)
-    try:
-        source = path.read_text()
-    except OSError as e:
-        return None, f"source not found: {path} ({e.strerror})"
-    if hashlib.sha256(source.encode()).hexdigest()[:16] != rec.candidate_hash:
-        return None, f"source changed: {path} no longer has the content that was tried"
-    return source, ""
