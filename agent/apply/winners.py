@@ -150,22 +150,10 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
             trials = list(rec.by_generation.values()) if rec is not None else []
             path = path or next((t.candidate_path for t in trials if t.candidate_path), "")
             timing = _timing(trials) if trials else p.device
-            # A store winner counts as faster only beyond its noise band on every generation, as
-            # integration judges; integration's own verdicts were taken above.
-            if origin == "store" and not all(t.win for t in trials):
-                band = max((t.noise_band or 0.0 for t in trials), default=0.0)
-                label = (f"{speedup:.2f}x, inside its noise band ±{band:.0%}" if speedup and speedup > 1 else
-                         f"{speedup:.2f}x" if speedup else "not timed") + \
-                    (", CPU timing" if timing == "cpu" else f", on {timing}")
-                if not allow_slower:
-                    raise CandidateSkipped(f"{NOT_FASTER} ({label}); --allow-slower applies it anyway")
-                warnings.append(f"{p.name}: candidate {digest} is {NOT_FASTER} ({label}); applied because of "
-                                "--allow-slower")
+            if origin == "store":
+                warnings += _store_winner_faster(p.name, digest, speedup, trials, timing, allow_slower)
             errors = [t.error for t in trials if t.error is not None]
-            verified = None
-            if p.fingerprints:  # end to end, every instance of the model ran it; else the frozen one did
-                verified = sorted(set(p.fingerprints.values())) if origin == "integration" else \
-                    [p.fingerprints[p.region_path]] if p.region_path in p.fingerprints else None
+            verified = _verified_instances(p, origin)
             if verified is None:
                 warnings.append(f"{p.name}: the run was frozen before instance fingerprints: its winner is routed "
                                 f"into every instance of {p.region_class}, verified or not")
@@ -183,3 +171,28 @@ def select_winners(run: RunFolder, regions: list[str] | None = None, allow_slowe
         warnings.append(f"end to end, the tuned model measured {integration.speedup:.2f}x the original's speed "
                         f"({kind}; integration.json): it is not faster as a whole")
     return winners, skipped, chosen_by, warnings
+
+
+def _store_winner_faster(region: str, digest: str, speedup: float | None, trials: list, timing: str,
+                         allow_slower: bool) -> list[str]:
+    """A store winner counts as faster only beyond its noise band on every generation, as
+    integration judges (its own verdicts are taken as they are): raises CandidateSkipped where it
+    is not, or returns the warning --allow-slower gives instead."""
+    if all(t.win for t in trials):
+        return []
+    band = max((t.noise_band or 0.0 for t in trials), default=0.0)
+    label = (f"{speedup:.2f}x, inside its noise band ±{band:.0%}" if speedup and speedup > 1 else
+             f"{speedup:.2f}x" if speedup else "not timed") + (", CPU timing" if timing == "cpu" else f", on {timing}")
+    if not allow_slower:
+        raise CandidateSkipped(f"{NOT_FASTER} ({label}); --allow-slower applies it anyway")
+    return [f"{region}: candidate {digest} is {NOT_FASTER} ({label}); applied because of --allow-slower"]
+
+
+def _verified_instances(p, origin: str) -> list[str] | None:
+    """The instance fingerprints a winner was verified on: end to end every instance of the model
+    ran it, else the frozen one did; None for a run frozen before fingerprints."""
+    if not p.fingerprints:
+        return None
+    if origin == "integration":
+        return sorted(set(p.fingerprints.values()))
+    return [p.fingerprints[p.region_path]] if p.region_path in p.fingerprints else None
