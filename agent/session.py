@@ -218,7 +218,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                                    llm_model=settings.llm_model, base_url=settings.base_url,
                                    executor_name=settings.executor, ray_address=settings.ray_address,
                                    workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget,
-                                   on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)))
+                                   on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)),
+                                   screen=settings.screen)
     except KeyboardInterrupt:  # a second signal during the search: stopped, not cleanly
         interrupted = True
         outcome = Outcome("interrupted (a second signal)", 0, 0)

@@ -43,7 +43,7 @@ class FakeLanes:
         self.log: list[tuple[str, float, float]] = []  # (candidate, started, finished)
         self.tokens = itertools.count()
 
-    def run(self, feed, budget, should_stop, on_start):
+    def run(self, feed, budget, should_stop, on_start, screen=lambda region, generation: None):
         results: queue.Queue = queue.Queue()
 
         def lane(i: int) -> None:

@@ -37,6 +37,7 @@ class Status(str, Enum):
     late_write = "late_write"  # an output changed after the call returned (a thread, another stream)
     hardcoded = "hardcoded"  # right on the frozen inputs, wrong on fresh ones or with perturbed parameters
     suspicious = "suspicious"  # tampered with torch or the harness, impossible speed, timings the tuner's clock refutes
+    screened = "screened"  # verified, then read clearly slower than the region's best in a short screen: never ranked
     timeout = "timeout"
     oom = "oom"
     crash = "crash"  # the worker died: segfault, illegal memory access, os._exit, ...
@@ -133,6 +134,9 @@ class Trial(BaseModel):
     noise_band: float | None = None
     """The weighted A/A noise band: a speedup within 1 +- this is `no change`, never a win."""
     flags: list[str] = Field(default_factory=list)
+    screen: dict[str, Any] | None = None
+    """What the screen read (tools/screen.py): the best it was compared with, how many times faster
+    that best read, the margins; `audited` where it was timed in full anyway. Never a timing."""
     device: str = "cpu"
     device_name: str = ""
     generation: str = "cpu"
