@@ -31,6 +31,7 @@ from agent.signals import signals_as_interrupts
 from agent.tuning import check_executor, check_planner, run_tune
 from tools.problem import ProblemError
 from tools.runfolder import RunFolder, clean_stale_worker_dirs
+from tools.screen import summary as screen_summary
 
 INTERRUPTED = 130
 SEARCH_FAILED = 1
@@ -232,6 +233,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
         if outcome is None:
             progress.close("session ended with an error")
     interrupted = interrupted or outcome.stop_reason.startswith("interrupted")
+    if screened := screen_summary(seen.trials):  # what the screen dropped, and its measured misses
+        note(screened)
     if outcome.generations:
         settings.generations = outcome.generations
         run.update_options(**{SETTINGS_KEY: settings.model_dump()})

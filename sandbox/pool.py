@@ -200,8 +200,11 @@ class DevicePool:
         with self.charge_lock:
             running = [r for r in list(self.runners) if id(r) in self.busy]
             self.cut.update({id(r): why for r in running})
-        for r in running:
-            r.worker.kill()
+        kills = [threading.Thread(target=r.worker.kill, daemon=True) for r in running]  # each waits for its process
+        for k in kills:
+            k.start()
+        for k in kills:
+            k.join()
 
     def running(self) -> dict[str, float]:
         """Candidates running on this device now: hash -> seconds since their trial started."""
