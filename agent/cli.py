@@ -216,8 +216,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
          baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines end to end "
                                                   "(default: on GPUs, not on the CPU)."),
          compile_modes: Optional[str] = typer.Option(None, help=COMPILE_MODES_HELP),
-         screen: Optional[bool] = typer.Option(None, "--screen/--no-screen", help="Time in full only candidates "
-                                               "a short screen does not find clearly slower than the best (default)."),
+         screen: Optional[bool] = typer.Option(None, "--screen/--no-screen", help="Time in full only what a short "
+                                               "screen finds not clearly slower than the best (default on GPUs)."),
          json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view."),
          no_jail: bool = typer.Option(False, "--no-jail", help=NO_JAIL_HELP)):
     """The main job: profile, freeze problems, search until the budget runs out, report. Progress

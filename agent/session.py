@@ -220,7 +220,7 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                                    executor_name=settings.executor, ray_address=settings.ray_address,
                                    workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget,
                                    on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)),
-                                   screen=settings.screen)
+                                   screen=settings.screen if settings.screen is not None else kind != "cpu")
     except KeyboardInterrupt:  # a second signal during the search: stopped, not cleanly
         interrupted = True
         outcome = Outcome("interrupted (a second signal)", 0, 0)

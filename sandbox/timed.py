@@ -86,9 +86,8 @@ def time_trial(r: "TrialRunner", c: Candidate, lp: "LoadedProblem", numbers: dic
             measure(r, lp, lim.budget_ms, retimed), None)
         if record is not None and not record["audited"]:
             return Trial(**r._base(c, lp), status=Status.screened, screen=record, **numbers,
-                         reason=f"verified; its first timed round read {record['ratio']['overall']:.2f}x slower than "
-                                f"the region's best ({record['best']}), beyond the margin everywhere: not timed "
-                                "further, never ranked")
+                         reason=f"verified; a short screen read it clearly slower than the region's best "
+                                f"({record['best']}) on every workload: not timed further, never ranked")
         speedup = weighted_speedup(lp.problem, timings)
         floor_hit = _below_floor(lp, timings)
         if speedup > lim.retime_above or floor_hit:
