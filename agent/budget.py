@@ -120,10 +120,10 @@ class Budget:
 
     def over_cap(self, running: float) -> bool:
         """Whether the time charged so far plus `running` (what the trials in flight have held the
-        devices for and were not charged yet) reached the cap; then no launch follows (`exhausted`),
-        and the caller stops the trials in flight."""
+        devices for and were not charged yet) reached the cap, less the room held for the
+        finalists; then no launch follows (`exhausted`), and the caller stops the trials in flight."""
         with self.changed:
-            if self.spent + running < self.cap_seconds:
+            if self.spent + running + self.held < self.cap_seconds:
                 return False
             self.exhausted = True
             self.stop_reason = self.stop_reason or (
