@@ -2,7 +2,7 @@
 
     python bench/trial_cost.py [--model examples/llama.py] [--device auto|cpu|cuda] [--trials 3]
                                [--regions A,B] [--template] [--no-time] [--run runs/<run>]
-                               [--budget-ms MS] [--max-seconds 200]
+                               [--budget-ms MS] [--max-seconds 200] [--eager]
 
 Profiles and freezes the model as `agent tune` does (the full preset on CUDA, the small one on
 the CPU; `--run` reuses a run folder frozen before), then runs `--trials` trials of each
@@ -46,6 +46,13 @@ the runner records per trial (`Trial.phases`):
 
 Two rates: one trial after another (device s / trial), and with sibling workers loading and
 compiling meanwhile, as `agent tune` runs them (only refs, verify and time hold the device lock).
+Timed trials also give the multiple of one eager call: the trial's device seconds over the
+original's median call in the reference worker during that trial (every workload once); with
+`--eager`, also over the original's call timed here in the bench (one thread, as the workers
+run it; the least of a reading before and one after the trials, so the larger multiple).
+The CPU target of issue 49 is read that way: a 256 MB softmax (KernelBench's size),
+`NS_SIZE=full python bench/trial_cost.py --model tests/problems/l1_softmax.py --device cpu
+--trials 4 --eager`, at most 200 eager calls a trial.
 """
 
 from __future__ import annotations
@@ -115,6 +122,7 @@ def measure(run: Path, device: str, trials: int, template: bool, do_time: bool, 
                 trial = runner.run(c, do_time=do_time)
                 rows.append({"what": what, "region": name, "status": trial.status.value, "reason": trial.reason,
                              "device_s": trial.gpu_seconds, "phases": trial.phases, "speedup": trial.speedup,
+                             "eager_s": sum(t.baseline_ms for t in trial.timings) / 1e3 if trial.timings else None,
                              "since_start": time.monotonic() - t0})
                 ph = " ".join(f"{k_}={v:.2f}" for k_, v in trial.phases.items())
                 print(f"[trial_cost] {name} {what} #{k}: {trial.status.value} {trial.gpu_seconds:.2f} s ({ph})"
@@ -124,7 +132,41 @@ def measure(run: Path, device: str, trials: int, template: bool, do_time: bool, 
     return rows
 
 
-def table(rows: list[dict], device: str) -> str:
+def eager_seconds(run: Path, region: str, calls: int = 5) -> float:
+    """One call of the region's original forward on each frozen input set, here, with one thread
+    as a worker runs it: the median of `calls` calls of each set, summed over the sets."""
+    import torch
+
+    from tools.problem import Problem
+    from tools.region import build_region, call_args
+    folder = run / "problems" / region
+    p = Problem.load(folder)
+    inputs, _, state = p.load_tensors(folder)
+    device = torch.device(p.device if p.device == "cpu" else "cuda")
+    module = build_region(p.model_file, p.region_path, state, device, on_meta=p.build_on_meta)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        total = 0.0
+        for input_set in inputs:
+            times = []
+            for _ in range(calls):
+                args, kwargs = call_args(input_set, device)
+                with torch.no_grad():
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    type(module).forward(module, *args, **kwargs)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            total += statistics.median(times)
+        return total
+    finally:
+        torch.set_num_threads(threads)
+
+
+def table(rows: list[dict], device: str, eager: dict[str, float] | None = None) -> str:
     """Median seconds per phase over the trials of each region's own forward (a template
     candidate in a column of its own; the worker's start, paid once, a row of its own), and
     trials per device-hour at the median steady-state cost."""
@@ -155,6 +197,21 @@ def table(rows: list[dict], device: str) -> str:
                                         for g in groups])
     lines.append(["device s / trial"] + [f"{med(g, steady):.2f}" for g in groups])
     lines.append([f"trials / device-hour ({kind})"] + [f"{3600 / max(med(g, steady), 1e-9):.0f}" for g in groups])
+    # One eager call, two ways: here in the bench, one thread, the least of its readings before
+    # and after the trials (the multiple a quiet machine would show: the larger); and the
+    # original's median call in the reference worker during each trial's own timing (the load
+    # the trial met, on both sides of the ratio).
+    if eager:
+        own = [eager.get(r) if r in eager else None for r in regions] + [None]
+        lines.append(["eager call here (s, 1 thread)"] + [f"{e:.3f}" if e else "-" for e in own])
+        lines.append(["device s / trial, in those calls"] + [f"{med(g, steady) / e:.0f}x" if e else "-"
+                                                            for g, e in zip(groups, own)])
+    timed = [[r for r in g if r.get("eager_s")] for g in groups]
+    if any(timed):
+        lines.append(["eager call in the trial (s)"] + [f"{med(g, lambda r: r['eager_s']):.3f}" if g else "-"
+                                                       for g in timed])
+        lines.append(["device s / trial, in those calls"] + [f"{med(g, lambda r: steady(r) / r['eager_s']):.0f}x"
+                                                            if g else "-" for g in timed])
     # What holds the device lock: the bound when sibling workers load and compile meanwhile (a
     # timing alone, verifications VERIFY_AT_ONCE at a time).
     from sandbox.device_lock import VERIFY_AT_ONCE
@@ -180,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-time", action="store_true", help="verification only")
     ap.add_argument("--run", type=Path, default=None, help="a run folder frozen before (skips the profile)")
     ap.add_argument("--budget-ms", type=float, default=None, help="timing budget per workload (default: Limits')")
+    ap.add_argument("--eager", action="store_true",
+                    help="also time each region's original forward here, one thread, before and after the trials")
     ap.add_argument("--max-seconds", type=float, default=200.0,
                     help="start no trial after this many seconds (the freeze included); the table follows")
     args = ap.parse_args(argv)
@@ -190,13 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     run = args.run or freeze(args.model, device, [r for r in args.regions.split(",") if r] or None,
                              Path(tempfile.mkdtemp(prefix="nightshift-trial-cost-")))
     frozen_s = time.monotonic() - t0
+    names = sorted(f.parent.name for f in (run / "problems").glob("*/problem.json"))
+    eager = {n: eager_seconds(run, n) for n in names} if args.eager else {}
     rows = measure(run, device, args.trials, args.template, not args.no_time, t0 + args.max_seconds, args.budget_ms)
+    eager = {n: min(e, eager_seconds(run, n)) for n, e in eager.items()}
     first = rows[0]["since_start"] if rows else float("nan")
     print(f"\ntrial cost: {args.model.name} on {device} ({'CPU timings' if device == 'cpu' else 'GPU'}), "
           + (f"preset {os.environ.get('LLAMA_PRESET') or ('full' if device != 'cpu' else 'small')}, "
              if args.model.name == "llama.py" else "")
           + f"{len(rows)} trials; freeze {frozen_s:.1f} s; first trial done {first:.1f} s after the runner started")
-    print(table(rows, device))
+    print(table(rows, device, eager))
     bad = [r for r in rows if r["what"] == "own" and r["status"] != "ok"]
     for r in bad:
         print(f"NOT OK: {r['region']} own forward: {r['status']}: {r['reason'][:200]}")

@@ -112,6 +112,8 @@ class DevicePool:
         """id(runner) -> (candidate hash, monotonic start) of the trials running now."""
         self.charged_until = 0.0
         self.charge_lock = threading.Lock()
+        self.cut: dict[int, str] = {}
+        """id(runner) -> why its trial was stopped from outside (`cut`): the GPU-hours cap."""
 
     def _runner(self) -> TrialRunner:
         cfg = WorkerConfig(device=self.device, memory_gb=self.memory_gb, compile_threads=self.compile_threads,
@@ -149,17 +151,26 @@ class DevicePool:
         nothing charged, when `cancelled()` says so once it ends: an interrupted trial is not a
         result, so a resumed run tries it again."""
         runner = self.free.get()
-        self.busy[id(runner)] = (candidate.hash, time.monotonic())
+        with self.charge_lock:  # `cut_running` sees a runner busy exactly while its trial runs
+            self.busy[id(runner)] = (candidate.hash, time.monotonic())
+            self.cut.pop(id(runner), None)
         try:
             trial = runner.run(candidate, candidate_path=candidate_path, **kwargs)
         except Exception as e:  # a harness bug costs this trial, not the night
             trial = Trial(region=candidate.region, candidate_hash=candidate.hash, status=Status.lost,
                           reason=f"harness error: {type(e).__name__}: {e}", device=self.label)
         finally:
-            self.busy.pop(id(runner), None)
+            with self.charge_lock:
+                self.busy.pop(id(runner), None)
+                cut = self.cut.pop(id(runner), None)
             self.free.put(runner)
         if cancelled is not None and cancelled():
             return None
+        if cut is not None:  # not the candidate's doing: lost, so a resume with room runs it again
+            trial = Trial(region=candidate.region, candidate_hash=candidate.hash, planner=candidate.planner,
+                          template=candidate.template, params=candidate.params, status=Status.lost, reason=cut,
+                          gpu_seconds=trial.gpu_seconds, phases=trial.phases, started_at=trial.started_at,
+                          finished_at=trial.finished_at or time.time(), candidate_path=candidate_path)
         trial.device = self.label
         trial.phases["wall"] = trial.gpu_seconds
         trial.gpu_seconds = self._charge(trial)
@@ -172,6 +183,28 @@ class DevicePool:
         with self.charge_lock:
             done, self.charged_until = self.charged_until, max(self.charged_until, end)
             return max(0.0, end - max(start, done))
+
+    def uncharged(self) -> float:
+        """Device seconds the trials running now have held the device that no trial was charged
+        yet: what finishing them now would add, at the least."""
+        with self.charge_lock:
+            starts = [t for _, t in self.busy.values()]
+            if not starts:
+                return 0.0
+            now = time.time()
+            return max(0.0, now - max(now - (time.monotonic() - min(starts)), self.charged_until))
+
+    def cut_running(self, why: str) -> None:
+        """Stop every trial running now (their workers killed); each ends `lost`, saying `why`,
+        and is charged what it held the device."""
+        with self.charge_lock:
+            running = [r for r in list(self.runners) if id(r) in self.busy]
+            self.cut.update({id(r): why for r in running})
+        kills = [threading.Thread(target=r.worker.kill, daemon=True) for r in running]  # each waits for its process
+        for k in kills:
+            k.start()
+        for k in kills:
+            k.join()
 
     def running(self) -> dict[str, float]:
         """Candidates running on this device now: hash -> seconds since their trial started."""

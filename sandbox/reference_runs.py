@@ -19,7 +19,7 @@ def refs(w: Any, req: dict) -> tuple[dict, Any]:
     out = {"fresh": [], "perturbed": None}
     with w.torch.no_grad():
         for item in req.get("fresh", []):
-            args, kwargs = T.fresh_set(p, *w._device_set(p, item["set"]), int(item["seed"]))
+            args, kwargs = T.fresh_set(p, *w._draw_base(p, item["set"]), int(item["seed"]))
             out["fresh"].append([None if t is None else T.plain_tensor(t) for t in flatten(fwd(region, *args, **kwargs))[0]])
         if req.get("perturb"):
             spec = req["perturb"]

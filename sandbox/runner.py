@@ -26,6 +26,7 @@ from sandbox.reference import ReferenceWorker, register
 from sandbox.seeds import seed
 from tools import verify
 from tools.problem import Problem
+from tools.screen import ScreenBar
 from tools.trial import Candidate, Status, Trial, error_line
 
 
@@ -84,6 +85,8 @@ class TrialRunner:
                  device_lock: "threading.Lock | None" = None, reference: ReferenceWorker | None = None,
                  host_quiet: HostQuiet | None = None):
         self.device = device
+        if device == "cpu":
+            _cap_judge_threads()
         # Held while this runner's workers verify or time, so a sibling worker on the same
         # device only compiles meanwhile and never disturbs a timing.
         self.device_lock = device_lock or contextlib.nullcontext()
@@ -181,7 +184,10 @@ class TrialRunner:
         self._preloaded = _Preloaded(candidate.hash, self.worker.starts, failed, dict(self.phases),
                                      self.members_before, time.monotonic() - t0, started)
 
-    def run(self, candidate: Candidate, *, candidate_path: str = "", do_time: bool = True) -> Trial:
+    def run(self, candidate: Candidate, *, candidate_path: str = "", do_time: bool = True,
+            screen: ScreenBar | None = None) -> Trial:
+        """The candidate's trial. `screen`: its region's best so far, against which a verified
+        candidate is screened before it is timed in full (tools/screen.py)."""
         pre, self._preloaded = self._preloaded, None
         if pre is not None and (pre.hash != candidate.hash or pre.starts != self.worker.starts
                                 or (pre.failed is None and not self.worker.alive)):
@@ -191,7 +197,7 @@ class TrialRunner:
         self.members_before = pre.members_before if pre else None
         self.step("loading", candidate)
         try:
-            trial = self._run(candidate, do_time, pre)
+            trial = self._run(candidate, do_time, pre, screen)
             if trial.status is Status.ok and self.worker.alive:
                 self.step("probing torch.compile")
                 self._probe_compiled(trial)
@@ -256,7 +262,8 @@ class TrialRunner:
             return []
         return list(reply.header.get("tampered") or [])
 
-    def _run(self, c: Candidate, do_time: bool, pre: "_Preloaded | None" = None) -> Trial:
+    def _run(self, c: Candidate, do_time: bool, pre: "_Preloaded | None" = None,
+             screen: ScreenBar | None = None) -> Trial:
         lp = self.problems.get(c.region)
         if lp is None:
             return Trial(**self.trial_fields(c, None), status=Status.compile_error,
@@ -277,7 +284,7 @@ class TrialRunner:
             return Trial(**self.trial_fields(c, lp), status=verdict.status, reason=verdict.reason, **numbers)
         if not do_time:
             return Trial(**self.trial_fields(c, lp), status=Status.ok, reason=verdict.reason, **numbers)
-        return timed.time_trial(self, c, lp, numbers)
+        return timed.time_trial(self, c, lp, numbers, screen)
 
     def _load(self, c: Candidate, lp: LoadedProblem) -> Trial | None:
         """Both workers up, the candidate imported and called once per shape; a failure as its Trial."""
@@ -381,6 +388,16 @@ class TrialRunner:
         self.worker.close()
         if self.own_reference:
             self.reference.close()
+
+
+def _cap_judge_threads() -> None:
+    """With the CPU as the device, the tuner's comparisons take a quarter of its cores, at least
+    one: the workers have the rest, and with two threads a comparison of 64M elements took six
+    times as long as with one on a busy two-core host (OpenMP waits for a descheduled thread)."""
+    import torch
+
+    from tools.devices import host_cores
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), host_cores() // 4)))
 
 
 def _pre_inputs(lp: LoadedProblem, reg) -> list | None:

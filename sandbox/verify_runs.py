@@ -31,6 +31,9 @@ from sandbox import worker_tensors as T
 
 LATE_THREAD_WAIT_S = 0.5
 """How long the end of a verification waits for threads running candidate code to end."""
+CPU_REUSED_BYTES = 32 << 20
+"""The largest block glibc's malloc may hand out again from memory freed earlier (its mmap
+threshold's ceiling on 64-bit): larger ones come fresh from the kernel, zeroed."""
 
 
 def run(w: Any, req: dict) -> tuple[dict, Any]:
@@ -93,7 +96,7 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
             if T.changed_from({"args": args, "kwargs": kwargs}, p["inputs"][i]) and i not in mutated["frozen"]:
                 mutated["frozen"].append(i)
         for item in req.get("fresh", []):
-            base = w._device_set(p, item["set"])
+            base = w._draw_base(p, item["set"])
             args, kwargs = T.fresh_set(p, *base, int(item["seed"]))
             call(f"fresh {item['set']}", module, args, kwargs, None, [])
             again = T.fresh_set(p, *base, int(item["seed"]))
@@ -181,8 +184,11 @@ def _poison(w: Any, value: float, sizes: list[int]) -> None:
     """Fill freed memory so outputs never written keep this value, not old data: blocks of
     each output's size are filled and freed, so the allocator hands them out next."""
     torch = w.torch
+    # On the CPU, blocks this large are mapped fresh and unmapped when freed (glibc), so they are
+    # never handed out again: only smaller ones are poisoned there (the fill switches cover the rest).
+    most = CPU_REUSED_BYTES if w.device.type == "cpu" else None
     blocks = [torch.full((max(1, n // 4),), value, dtype=torch.float32, device=w.device)
-              for n in sizes for _ in range(4)]
+              for n in sizes if most is None or n <= most for _ in range(4)]
     if w.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info()
         blocks.append(torch.full((min(free // 4, 1 << 30) // 4,), value, dtype=torch.float32, device=w.device))

@@ -99,6 +99,8 @@ class Worker:
         """The reference worker's: one repetition's output of its recent timed runs, by the run's
         seed (`keep_index`, drawn by the tuner and never sent to the candidate's worker): the
         answer a spot check compares with, without running the original again."""
+        self.snapshots: dict[tuple, Any] = {}
+        """(problem, input set) -> the last timed run's output copies there (`_snapshots`)."""
         self.base_sets: dict[tuple, tuple] = {}
         """(problem, input set) -> that frozen set on the device, for timed runs (`_base_set`)."""
 
@@ -169,7 +171,7 @@ class Worker:
         self.kept = []
         with self.torch.no_grad():
             try:
-                snaps = T.Snapshots(int(req["reps"]))
+                snaps = self._snapshots((req.get("problem"), req["set"]), int(req["reps"]))
                 got = run_batch(call, make, int(req["reps"]), self.device, self.clock,
                                 lead_cycles=float(req.get("lead_cycles", 0)),
                                 copy_out=lambda out: self._copy_outputs(out, snaps),
@@ -181,6 +183,7 @@ class Worker:
         kept = got.pop("kept")
         self.kept = kept if keep is True else []
         if isinstance(keep, set) and kept:
+            snaps.give_up(keep)
             self.answers.pop(seed, None)
             self.answers[seed] = kept[0]
             while len(self.answers) > ANSWERS:  # rounds that were not spot-checked
@@ -319,17 +322,36 @@ class Worker:
         from tools.region import call_args
         return call_args(p["inputs"][i], self.device)
 
+    def _draw_base(self, p: dict, i: int) -> tuple[list, dict]:
+        """Frozen input set `i` on the device, to draw fresh inputs from, never passed to a call:
+        on the CPU the frozen tensors themselves (a copy of each is 256 MB of fresh pages a draw
+        for a KernelBench softmax)."""
+        if self.device.type == "cpu":
+            return list(p["inputs"][i]["args"]), dict(p["inputs"][i]["kwargs"])
+        return self._device_set(p, i)
+
     def _base_set(self, p: dict, name: str, i: int) -> tuple[list, dict]:
         """Frozen input set `i` on the device for timed runs, copied there once (the most recent
         BASE_SETS kept): each repetition draws fresh inputs from it and never writes it. A copy
         from host memory per run (half a gigabyte for a decode KV cache) was most of a timed
         run's wall time, and its jitter between two workers outgrew a decode kernel."""
         key = (name, i)
-        got = self.base_sets.pop(key, None) or self._device_set(p, i)
+        got = self.base_sets.pop(key, None) or self._draw_base(p, i)
         self.base_sets[key] = got  # the most recent last
         while len(self.base_sets) > BASE_SETS:
             self.base_sets.pop(next(iter(self.base_sets)))
         return got
+
+    def _snapshots(self, key: tuple, reps: int) -> "T.Snapshots":
+        """Where a timed run copies its outputs: on the CPU the copies of the last run of the same
+        input set, the control's too (their pages are faulted in once per candidate, on both sides
+        alike; what a run kept is fetched before the next one); on a GPU new ones (its caching
+        allocator hands the same blocks back anyway)."""
+        if self.device.type != "cpu":
+            return T.Snapshots(reps)
+        snaps = self.snapshots.setdefault(key, T.Snapshots(reps))
+        snaps.rewind(reps)
+        return snaps
 
     def _copy_outputs(self, out: Any, snaps: "T.Snapshots") -> tuple[list, dict]:
         """Stream-ordered private copies of an output, and what it looked like, right after the
@@ -358,6 +380,7 @@ class Worker:
     def release(self) -> None:
         # The device copies of inputs go too: the next candidate must not meet ones this one touched.
         self.candidate, self.verified, self.kept, self.in_place, self.base_sets = None, None, [], {}, {}
+        self.snapshots = {}
         gc.collect()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()

@@ -318,13 +318,13 @@ def test_the_worker_keeps_a_cache_at_one_address_across_its_timed_runs():
     from tools import timing
     w = W.Worker.__new__(W.Worker)
     w.torch, w.role, w.device, w.clock, w.in_place, w.kept = torch, "reference", torch.device("cpu"), None, {}, []
-    w.base_sets = {}
+    w.base_sets, w.snapshots = {}, {}
 
     def fwd(region, x, cache):
         cache[:, :2] = x.unsqueeze(1)  # writes its new tokens into the cache
         return cache.sum(1)
-    w.problems = {"p": {"region": torch.nn.Identity(), "forward": fwd}}
-    w._device_set = lambda p, i: ([torch.randn(2, 8), torch.zeros(2, 16, 8)], {})
+    w.problems = {"p": {"region": torch.nn.Identity(), "forward": fwd,
+                        "inputs": [{"args": [torch.randn(2, 8), torch.zeros(2, 16, 8)], "kwargs": {}}]}}
     w._copy_outputs = lambda out, snaps: ([out.clone()], None)
     caches, real = [], timing.run_batch
 
@@ -350,14 +350,14 @@ def test_a_timed_input_set_is_copied_to_the_device_once_per_candidate():
     from sandbox import worker as W
     w = W.Worker.__new__(W.Worker)
     w.torch, w.role, w.device, w.clock, w.in_place, w.kept = torch, "reference", torch.device("cpu"), None, {}, []
-    w.base_sets, w.candidate, w.verified = {}, None, None
+    w.base_sets, w.snapshots, w.candidate, w.verified = {}, {}, None, None
     w.problems = {name: {"region": torch.nn.Identity(), "forward": lambda region, x: x * 2} for name in "pq"}
     copies = []
 
-    def device_set(p, i):
+    def device_set(p, i):  # the copy to a GPU (on the CPU the frozen tensors themselves are drawn from)
         copies.append(i)
         return [torch.randn(4, 8)], {}
-    w._device_set = device_set
+    w._draw_base = device_set
     w._copy_outputs = lambda out, snaps: ([out.clone()], None)
     for seed in (1, 2, 3):
         head, _ = w.op_batch({"problem": "p", "set": 0, "seed": seed, "reps": 2}, None)

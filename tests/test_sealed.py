@@ -265,24 +265,24 @@ def test_without_bubblewrap_a_worker_still_runs_and_says_what_is_not_isolated(fr
 def _clocked_run(monkeypatch, original_ms: float, harness_ms: float, candidate_ms: float, claimed_ms: float,
                  candidate_harness_ms: float | None = None, reps: int = 100, claimed: list[float] | None = None,
                  extra_ms: list[float] = ()):
-    """`_candidate_run` with scripted replies and walls (a CUDA run of `reps` repetitions, the
+    """`timed_runs.candidate_run` with scripted replies and walls (a CUDA run of `reps` repetitions, the
     harness's work per repetition around each call): what it returns as the candidate's samples."""
     from types import SimpleNamespace
 
-    from sandbox import timed
+    from sandbox import timed_runs
     from sandbox.client import Reply
     from sandbox.runner import Limits
     ch = harness_ms if candidate_harness_ms is None else candidate_harness_ms
     rc = Reply(ok=True, header={"samples": claimed or [claimed_ms] * reps, "checksums": [1.0] * reps,
                                 "timing_kind": "cuda", "gaps": [harness_ms] * (reps - 1)})
     walls = iter(list(extra_ms) + [0.0] * 3)  # a hiccup of the machine: extra wall on the first runs
-    monkeypatch.setattr(timed, "_batch", lambda *a, **k: (rc, reps * (ch + candidate_ms) + next(walls)))
+    monkeypatch.setattr(timed_runs, "batch", lambda *a, **k: (rc, reps * (ch + candidate_ms) + next(walls)))
     rb = Reply(ok=True, header={"samples": [original_ms] * reps, "timing_kind": "cuda", "host_calls_ms": 0.0,
                                 "gaps": [harness_ms] * (reps - 1)})
     r = SimpleNamespace(limits=Limits(), worker=None, reference=None, phases={}, last_checksums=None)
     lp = SimpleNamespace(problem=SimpleNamespace(name="p", is_whole_model=False))
     original = lambda lead_ms: (rb, reps * (harness_ms + original_ms))  # noqa: E731 (the original's run)
-    samples, per_call, _, _ = timed._candidate_run(r, lp, {"reps": reps}, original, 0.0, 0.0)
+    samples, per_call, _, _ = timed_runs.candidate_run(r, lp, {"reps": reps}, original, 0.0, 0.0)
     return samples, per_call, r.phases
 
 

@@ -43,7 +43,7 @@ class FakeLanes:
         self.log: list[tuple[str, float, float]] = []  # (candidate, started, finished)
         self.tokens = itertools.count()
 
-    def run(self, feed, budget, should_stop, on_start):
+    def run(self, feed, budget, should_stop, on_start, screen=lambda region, generation: None):
         results: queue.Queue = queue.Queue()
 
         def lane(i: int) -> None:
@@ -326,3 +326,33 @@ def test_a_swapped_binding_is_tried_only_once_the_named_one_computed_another_fun
     else:  # the named order is wrong for each template: its swap is tried, and then searched
         assert {r.template for r in swapped} == {r.template for r in kv}
         assert all(r.params["binding"]["k_w"].startswith("k") for r in kv if r.failed() is not None)
+
+
+# -- the finalists, timed again -----------------------------------------------------------------
+def test_a_regions_best_wins_are_timed_again_when_the_search_ends_and_replace_their_trials(tmp_path):
+    """Issue 49 (Inductor's max-autotune re-times its top few): the best RETIME_TOP wins of a region
+    run once more, after the search, and those trials are the ones ranked."""
+    from agent.search.loop import RETIME_TOP
+    speed = {f"# {i}\n": 1.0 + i / 10 for i in range(6)}  # the first is no win: 1.0x
+    lanes = FakeLanes(2, outcome=lambda c: (Status.ok, speed[c.source]))
+    run = RunFolder(tmp_path / "run")
+    run.path.mkdir(parents=True)
+    history, budget = History({REGION: ["cpu"]}), Budget(StopRule(max_candidates=100, patience=100))
+    outcome = tune(run, [fake_problem()], Numbered(6), lanes, budget, history, retime=True)
+    assert outcome.trials_run == 6 + RETIME_TOP
+    again = [digest for digest, _, _ in lanes.log[6:]]  # a finalist is its stored self: no note
+    assert sorted(again) == sorted(Candidate(region=REGION, source=f"# {i}\n").hash for i in (3, 4, 5))
+    best = history.best(REGION).by_generation["cpu"]
+    assert best.speedup == 1.5 and any("timed again" in f or "re-timed" in f for f in best.flags)
+    assert budget.held == 0.0
+
+
+def test_the_budget_holds_back_room_for_the_finalists_until_the_search_ends():
+    budget = Budget(StopRule(gpu_hours=100 / 3600), spent_seconds=61.0)
+    budget.remember([Trial(region="R", candidate_hash="a", status=Status.ok, gpu_seconds=10.0)])
+    assert budget.try_launch(1, region="R")  # 61 + 10 of 100
+    budget.cancel(1)
+    budget.hold({"R": 3})  # three finalists of about 10 s each
+    assert not budget.try_launch(2, region="R") and budget.exhausted  # 30 + 61 + 10 > 100
+    budget.release_held()
+    assert not budget.exhausted and budget.try_launch(3, region="R")

@@ -307,7 +307,7 @@ def test_a_wait_for_the_shared_reference_worker_is_not_timed_as_its_run():
     import threading
     import time as clock
     from sandbox.runner import Reply
-    from sandbox.timed import _batch
+    from sandbox.timed_runs import batch as _batch
 
     class Shared:
         lock = threading.RLock()

@@ -38,6 +38,7 @@ class Status(str, Enum):
     hardcoded = "hardcoded"  # right on the frozen inputs, wrong on fresh ones (cached or shape-keyed answers)
     ignored_parameter = "ignored_parameter"  # right with the frozen parameters, wrong with perturbed ones
     suspicious = "suspicious"  # tampered with torch or the harness, impossible speed, timings the tuner's clock refutes
+    screened = "screened"  # verified, then read clearly slower than the region's best in a short screen: never ranked
     timeout = "timeout"
     oom = "oom"
     crash = "crash"  # the worker died: segfault, illegal memory access, os._exit, ...
@@ -138,6 +139,9 @@ class Trial(BaseModel):
     noise_band: float | None = None
     """The weighted A/A noise band: a speedup within 1 +- this is `no change`, never a win."""
     flags: list[str] = Field(default_factory=list)
+    screen: dict[str, Any] | None = None
+    """What the screen read (tools/screen.py): the best it was compared with, how many times faster
+    that best read, the margins; `audited` where it was timed in full anyway. Never a timing."""
     device: str = "cpu"
     device_name: str = ""
     generation: str = "cpu"

@@ -213,6 +213,8 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
          baselines: Optional[bool] = typer.Option(None, help="Time torch.compile baselines end to end "
                                                   "(default: on GPUs, not on the CPU)."),
          compile_modes: Optional[str] = typer.Option(None, help=COMPILE_MODES_HELP),
+         screen: Optional[bool] = typer.Option(None, "--screen/--no-screen", help="Time in full only what a short "
+                                               "screen finds not clearly slower than the best (default on GPUs)."),
          json_out: bool = typer.Option(False, "--json", help="Summary as JSON, no live view."),
          no_jail: bool = typer.Option(False, "--no-jail", help=NO_JAIL_HELP)):
     """The main job: profile, freeze problems, search until the budget runs out, report. Progress
@@ -227,7 +229,7 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     given = {"planner": planner, "llm_model": llm_model, "base_url": base_url, "devices": devices,
              "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
              "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd,
-             "no_jail": no_jail or None}
+             "no_jail": no_jail or None, "screen": screen}
     request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
                           max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads,
                           modes)

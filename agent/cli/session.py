@@ -32,6 +32,7 @@ from agent.search.signals import signals_as_interrupts
 from agent.search.tuning import check_executor, check_planner, run_tune
 from tools.problem import ProblemError
 from tools.runfolder import RunFolder, clean_stale_worker_dirs
+from tools.screen import summary as screen_summary
 
 INTERRUPTED = 130
 SEARCH_FAILED = 1
@@ -219,7 +220,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                                    llm_model=settings.llm_model, base_url=settings.base_url,
                                    executor_name=settings.executor, ray_address=settings.ray_address,
                                    workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget,
-                                   on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)))
+                                   on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)),
+                                   screen=settings.screen if settings.screen is not None else kind != "cpu")
     except KeyboardInterrupt:  # a second signal during the search: stopped, not cleanly
         interrupted = True
         outcome = Outcome("interrupted (a second signal)", 0, 0)
@@ -232,6 +234,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
         if outcome is None:
             progress.close("session ended with an error")
     interrupted = interrupted or outcome.stop_reason.startswith("interrupted")
+    if screened := screen_summary(seen.trials):  # what the screen dropped, and its measured misses
+        note(screened)
     if outcome.generations:
         settings.generations = outcome.generations
         run.update_options(**{SETTINGS_KEY: settings.model_dump()})

@@ -5,7 +5,7 @@ generation (`agent.search.feed.Feed`), and any free lane of that generation take
 devices of a generation give N trials at a time, and a slow trial holds up only its own lane. GPUs that already carry other people's work are left alone. The
 CPU is a device when there is no GPU. Before each launch the budget is asked; a launch that
 would pass the GPU-hours cap waits for the trials in flight, and is not started if it
-still would once they have ended.
+still would once they have ended. Trials still running when the cap is reached are stopped.
 """
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ from sandbox.client import WorkerConfig
 from sandbox.spawn import spares_on
 from sandbox.pool import SEARCH_COMPILE_THREADS, DevicePool
 from sandbox.runner import Limits, TrialRunner
+from tools.screen import ScreenBar
 from tools.trial import Candidate, Trial
 
 BUSY_MEMORY_BYTES = 2 << 30
 OWN_CONTEXT_BYTES = 1 << 30
 
+
+CAP_WATCH_S = 0.1
+"""How often the GPU-hours cap is checked against what the running trials have held."""
 
 BUSY_NOTE = "left alone"
 """How a GPU skipped for other work's memory is named in the notes (run_tune reads it)."""
@@ -167,7 +171,8 @@ class LocalExecutor:
         return sorted({s.generation for s in self.slots})
 
     def run(self, feed: Feed, budget: Budget, should_stop: Callable[[], bool] = lambda: False,
-            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial | None]:
+            on_start: Callable[[Candidate, str], None] = lambda c, g: None,
+            screen: Callable[[str, str], ScreenBar | None] = lambda r, g: None) -> Iterator[Trial | None]:
         """Every lane takes the next job of its generation from `feed` as soon as it is free;
         yields trials as they finish, and None when none finished for a moment (so the caller
         can refill the feed). Ends once the feed is closed and drained, the budget is spent, or
@@ -188,7 +193,7 @@ class LocalExecutor:
                             return
                         budget.wait(0.5)  # a sibling's trial may end sooner than reserved
                     on_start(cand, gen)
-                    trial = pool.run(cand, candidate_path=path, cancelled=should_stop)
+                    trial = pool.run(cand, candidate_path=path, cancelled=should_stop, screen=screen(cand.region, gen))
                     if trial is None:  # interrupted mid-trial: not a result, so resume runs it again
                         budget.cancel(token)
                         return
@@ -200,10 +205,24 @@ class LocalExecutor:
             finally:
                 results.put(None)
 
+        ended = threading.Event()
+
+        def watch() -> None:  # the cap is a cap: trials still running when it is reached are stopped
+            while not ended.wait(CAP_WATCH_S):
+                if budget.over_cap(sum(pool.uncharged() for pool in self.pools.values())):
+                    for pool in self.pools.values():
+                        pool.cut_running(f"stopped at the GPU-hours cap (--gpu-hours {budget.rule.gpu_hours:g}): not a "
+                                         "verdict on the candidate; a resume with more hours runs it again")
+                    return
+
         threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in self.lanes]
         for t in threads:
             t.start()
-        yield from results_of(results, len(threads))
+        threading.Thread(target=watch, daemon=True, name="nightshift-cap").start()
+        try:
+            yield from results_of(results, len(threads))
+        finally:
+            ended.set()
 
     def in_flight(self) -> list[str]:
         return [n for pool in self.pools.values() for n in pool.in_flight()]

@@ -194,7 +194,8 @@ class RayExecutor:
 
     # -- running ---------------------------------------------------------------------------------
     def run(self, feed: Feed, budget: Budget, should_stop: Callable[[], bool] = lambda: False,
-            on_start: Callable[[Candidate, str], None] = lambda c, g: None) -> Iterator[Trial | None]:
+            on_start: Callable[[Candidate, str], None] = lambda c, g: None,
+            screen: Callable[[str, str], Any] = lambda r, g: None) -> Iterator[Trial | None]:
         """Every worker slot takes the next job of its generation from `feed` as soon as it is
         free; yields trials as they finish, and None while none did (so the caller can refill
         the feed). Ends once the feed is closed and drained, the budget is spent, or `should_stop`."""
@@ -236,7 +237,7 @@ class RayExecutor:
                     break
                 on_start(job[0], generation)
                 actor.busy += 1
-                ref = actor.handle.run.remote(job[0].model_dump_json(), job[2])
+                ref = actor.handle.run.remote(job[0].model_dump_json(), job[2], screen(job[0].region, generation))
                 flights[ref] = _Flight(job, actor, token, time.time())
             if not flights and (budget.exhausted or feed.drained()):
                 return

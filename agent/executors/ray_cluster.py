@@ -163,8 +163,10 @@ class TrialActor:
         """Candidates running on this device now: hash -> seconds since their trial started."""
         return self.pool.running()
 
-    def run(self, candidate_json: str, candidate_path: str) -> str:
-        trial = self.pool.run(Candidate.model_validate_json(candidate_json), candidate_path=candidate_path)
+    def run(self, candidate_json: str, candidate_path: str, screen=None) -> str:
+        """`screen`: the tools.screen.ScreenBar the candidate is screened against, if any."""
+        trial = self.pool.run(Candidate.model_validate_json(candidate_json), candidate_path=candidate_path,
+                              screen=screen)
         trial.generation = self.generation
         return trial.model_dump_json()
 

@@ -11,9 +11,14 @@ has finished yet, a cold start's cost (`COLD_TRIAL_SECONDS`); alone on the devic
 admitted if the cap has room for the least a trial costs, and measures what the next ones cost.
 So a small cap admits one first trial, not one per lane, before anything is measured. Workers
 sharing a device take turns on it (verification and timing hold its lock), so reservations add
-up, never overlap: the cap is overrun by at most the error of those estimates, never by a
-launch known to be too expensive. A launch refused while others are in flight may fit once they end, so the caller
-waits and asks again; only a refusal with nothing in flight ends the run.
+up, never overlap. A launch refused while others are in flight may fit once they end, so the
+caller waits and asks again; only a refusal with nothing in flight ends the run.
+
+Estimates can be wrong (a first trial, a worker restarted, a compile baseline's timing stopping
+the search's workers beside it), so the cap does not rest on them: the executor watches what is
+charged plus what the trials in flight have held (`over_cap`), and at the cap stops them. They end
+`lost` (run again on a resume with room) and are charged what they held, so the cap is passed by
+no more than the moment it takes to stop them.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class Budget:
         self.stop_reason = ""
         self.exhausted = False
         """A launch was refused with nothing in flight: no further trial fits the cap."""
+        self.held = 0.0
+        """Device seconds the search leaves for re-timing its finalists at the end (`hold`)."""
 
     @property
     def cap_seconds(self) -> float:
@@ -87,15 +94,42 @@ class Budget:
             est = self.estimate(region)
             mine = Reservation(device, region, est)
             unknown_alone = not self.in_flight and not self.by_region.get(region)
-            need = self.spent + DEFAULT_TRIAL_SECONDS if unknown_alone else self.projected(mine)
+            need = self.held + (self.spent + DEFAULT_TRIAL_SECONDS if unknown_alone else self.projected(mine))
             if need > self.cap_seconds:
                 if not self.in_flight:
                     self.exhausted = True
                     self.stop_reason = (f"device-hours cap (--gpu-hours): {self.spent / 3600:.4f} h spent of "
                                         f"{self.rule.gpu_hours:g} h, "
-                                        f"next trial would take ~{need - self.projected():.0f} s")
+                                        f"next trial would take ~{need - self.held - self.projected():.0f} s"
+                                        + (f", {self.held:.0f} s kept for timing the finalists again"
+                                           if self.held else ""))
                 return False
             self.in_flight[token] = mine
+            return True
+
+    def hold(self, finalists: dict[str, int]) -> None:
+        """Keep room under the cap for re-timing `finalists` (region -> how many) once the search ends."""
+        with self.changed:
+            self.held = sum(n * self.estimate(region) for region, n in finalists.items())
+
+    def release_held(self) -> None:
+        """The search has ended: what it held back may be spent, on the finalists."""
+        with self.changed:
+            self.held, self.exhausted = 0.0, False
+            self.changed.notify_all()
+
+    def over_cap(self, running: float) -> bool:
+        """Whether the time charged so far plus `running` (what the trials in flight have held the
+        devices for and were not charged yet) reached the cap, less the room held for the
+        finalists; then no launch follows (`exhausted`), and the caller stops the trials in flight."""
+        with self.changed:
+            if self.spent + running + self.held < self.cap_seconds:
+                return False
+            self.exhausted = True
+            self.stop_reason = self.stop_reason or (
+                f"device-hours cap (--gpu-hours): {self.rule.gpu_hours:g} h reached with trials running, "
+                "which were stopped there")
+            self.changed.notify_all()
             return True
 
     def wait(self, timeout: float) -> None:

@@ -6,8 +6,11 @@
         if the feed runs low: plan in the background           planner.propose for every open region,
                                                                seeing every finished result
         stop on budget, candidate cap, patience, or a search space exhausted
+    each region's best few timed again, side by side           in the room the budget held back for them
 
-There are no rounds: a trial of minutes holds up its own lane only. Everything the loop needs
+A lane's trial is screened against its region's best so far (tools/screen.py): a verified
+candidate clearly slower than it is `screened`, not timed in full. There are no rounds: a trial
+of minutes holds up its own lane only. Everything the loop needs
 comes in as arguments; it knows nothing of CLIs, templates or workers. Resume is the same loop
 over a store that already holds trials: finished (candidate, generation) pairs are never run
 again, a trial `lost` with its worker is queued again (up to `agent.history.MAX_LOST`), and one
@@ -28,10 +31,11 @@ from typing import Callable, Iterator, Protocol
 
 from agent.search.budget import Budget
 from agent.search.feed import Feed, Job
-from agent.history import MAX_TUNER_DEATHS, History
+from agent.history import MAX_TUNER_DEATHS, CandidateRecord, History
 from agent.planners import Planner, PlannerFailed
 from tools.problem import Problem
 from tools.runfolder import RunFolder
+from tools.screen import Bars, ScreenBar
 from tools.trial import Candidate, Status, Trial
 
 PLANNER_GRACE_S = 10.0
@@ -45,9 +49,11 @@ class Executor(Protocol):
     generations: list[str]
 
     def run(self, feed: Feed, budget: Budget, should_stop: Callable[[], bool],
-            on_start: Callable[[Candidate, str], None]) -> Iterator[Trial | None]:
+            on_start: Callable[[Candidate, str], None],
+            screen: Callable[[str, str], ScreenBar | None]) -> Iterator[Trial | None]:
         """Trials as they finish, and None while none did; ends once the feed is closed and
-        drained, the budget is spent, or `should_stop`."""
+        drained, the budget is spent, or `should_stop`. `screen(region, generation)`: the bar a
+        launch is screened against (tools/screen.py), read as it starts."""
         ...
 
 
@@ -65,11 +71,21 @@ class Outcome:
 
 def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Executor, budget: Budget,
          history: History, on_trial: Callable[[Trial], None] = lambda t: None,
-         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2) -> Outcome:
+         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2, screen: bool = True,
+         retime: bool = False) -> Outcome:
     """Until a stop rule fires. The planner is asked again whenever fewer jobs wait than there
     are lanes, so a lane never waits while a planner (an LLM, say) thinks; it sees every
-    result finished by then, and the jobs queued or running as tried."""
+    result finished by then, and the jobs queued or running as tried. `screen`: a verified
+    candidate clearly slower than its region's best so far is not timed in full. `retime`: each
+    region's finalists are timed again at the end, in room the budget holds back for them."""
     store = run.store()
+    bars = Bars(screen)
+
+    def update_bar(region: str, generation: str) -> None:
+        bars.update(region, generation, [r.by_generation[generation] for r in history.region_records(region)
+                                         if generation in r.by_generation])
+    for region, generation in {(t.region, t.generation) for t in history.trials}:
+        update_bar(region, generation)
     store.event("session", pid=os.getpid())
     for rec in history.records.values():  # patience picks up where a resumed run left off
         budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
@@ -122,6 +138,12 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         budget.stop_reason = budget.stop_reason or reason
         feed.close()
 
+    def record_final(trial: Trial) -> None:  # a finalist's new trial replaces its earlier one in the ranking
+        store.record(trial)
+        started.pop(key_of(trial), None)
+        history.add(trial)
+        on_trial(trial)
+
     def on_start(c: Candidate, generation: str) -> None:  # from executor threads; the store serializes
         key = (c.region, c.hash, generation)
         started[key] = started.get(key, 0) + 1
@@ -129,9 +151,9 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
 
     try:
         planning, asked_at = _in_background(plan), len(history.trials)
-        for trial in executor.run(feed, budget, should_stop, on_start):
+        for trial in executor.run(feed, budget, should_stop, on_start, bars):
             if trial is not None:
-                key = (trial.region, trial.candidate_hash, trial.generation)
+                key = key_of(trial)
                 store.record(trial)
                 started.pop(key, None)
                 rec = history.add(trial)
@@ -143,6 +165,11 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                 history.pending = {(r, d) for r, d, _ in fed}
                 if rec.kept(history.targets(rec.region)) or trial.ranked:
                     budget.observe(rec.region, rec.score(history.targets(rec.region)) or None)
+                elif trial.status is Status.screened:  # a passing trial that brought no gain
+                    budget.observe(rec.region, 0.0)
+                update_bar(trial.region, trial.generation)
+                if retime:
+                    budget.hold({region: len(recs) for region, recs in finalists(history, problems).items()})
                 on_trial(trial)
             if should_stop() or feed.closed:
                 continue
@@ -168,6 +195,9 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
                 stop(stopped or _exhausted(planner, [p for p in problems if budget.region_open(p.name)], history))
             elif planning is None and feed.waiting() < lanes and not idle_planner:
                 planning, asked_at, came_back_empty = _in_background(plan), len(history.trials), False
+        if retime and not should_stop() and not failure:
+            trials_run += _retime_finalists(run, problems, history, executor, budget, should_stop, on_start,
+                                            record_final)
     finally:
         if planning is not None:  # its thread may be inside torch: see PLANNER_GRACE_S
             wait([planning], timeout=PLANNER_GRACE_S)
@@ -178,6 +208,57 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
         store.close()
     best = {p.name: (b.score(history.targets(p.name)) if (b := history.best(p.name)) else 0.0) for p in problems}
     return Outcome(budget.stop_reason or "interrupted", trials_run, plans, best, failure)
+
+
+def key_of(trial: Trial) -> tuple[str, str, str]:
+    return trial.region, trial.candidate_hash, trial.generation
+
+
+RETIME_TOP = 3
+"""The best candidates of a region re-timed side by side when the search ends, before integration
+reads the ranking (Inductor's max-autotune re-times its top few: fewer wrong winners)."""
+
+
+def finalists(history: History, problems: list[Problem]) -> dict[str, list[CandidateRecord]]:
+    """Per region with two wins or more (faster than the original beyond the noise band on every
+    target generation: only a win is integrated), its best RETIME_TOP."""
+    out = {}
+    for p in problems:
+        gens = history.targets(p.name)
+        wins = [r for r in history.kept(p.name) if all(r.by_generation[g].win for g in gens)]
+        if len(wins) >= 2:
+            out[p.name] = wins[:RETIME_TOP]
+    return out
+
+
+def _retime_finalists(run: RunFolder, problems: list[Problem], history: History, executor: Executor, budget: Budget,
+                      should_stop: Callable[[], bool], on_start: Callable[[Candidate, str], None],
+                      record: Callable[[Trial], object]) -> int:
+    """Each region's finalists tried again one after another on the same trial path (verified
+    again, timed in full, never screened) in the room the budget held back for them; their new
+    trials replace their earlier ones in the ranking. Returns how many ran."""
+    jobs = []
+    for recs in finalists(history, problems).values():
+        for rec in recs:
+            path = run.candidates_dir / f"{rec.candidate_hash}.py"
+            c = Candidate(region=rec.region, source=path.read_text(), planner=rec.planner, template=rec.template,
+                          params=rec.params)
+            jobs += [(c, g, str(path)) for g in history.targets(rec.region)]
+    if not jobs:
+        return 0
+    reason = budget.stop_reason
+    budget.release_held()
+    feed = _BudgetedFeed(executor.generations, budget)
+    feed.put(jobs)
+    feed.close()
+    ran = 0
+    for trial in executor.run(feed, budget, should_stop, on_start, lambda region, generation: None):
+        if trial is not None:
+            trial.flags.append(f"re-timed side by side with its region's best {RETIME_TOP} when the search ended")
+            record(trial)
+            ran += 1
+    budget.stop_reason = reason or budget.stop_reason
+    return ran
 
 
 def interleaved(candidates: list[Candidate]) -> list[Candidate]:

@@ -42,6 +42,10 @@ class TuneSettings(BaseModel):
     """--gpu-hours, --max-candidates, --patience, --max-usd."""
     generations: list[str] = Field(default_factory=list)
     """The device generations the run's candidates are tried on (recorded once known)."""
+    screen: bool | None = None
+    """--screen/--no-screen: a verified candidate clearly slower than its region's best so far is
+    not timed in full (tools/screen.py). None: on for GPU timings, off for CPU ones (they say
+    nothing of speed under Triton's interpreter, and move too much to screen on)."""
     no_jail: bool = False
     """--no-jail: candidates ran without the sandbox's jail (recorded for the report; a resume
     never inherits it: the user says it again)."""
@@ -50,7 +54,7 @@ class TuneSettings(BaseModel):
 FLAGS = {"planner": "--planner", "llm_model": "--llm-model", "base_url": "--base-url", "devices": "--devices",
          "executor": "--executor", "ray_address": "--ray-address", "workers_per_gpu": "--workers-per-gpu",
          "gpu_hours": "--gpu-hours", "max_candidates": "--max-candidates", "patience": "--patience",
-         "max_usd": "--max-usd", "no_jail": "--no-jail"}
+         "max_usd": "--max-usd", "no_jail": "--no-jail", "screen": "--screen/--no-screen"}
 RULE_FIELDS = ("gpu_hours", "max_candidates", "patience", "max_usd")
 
 

@@ -70,7 +70,8 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
              memory_gb: float = 8.0, executor_name: str = "local",
              ray_address: str | None = None, workers_per_gpu: int | None = None,
              on_budget: Callable[[Budget], None] = lambda b: None,
-             on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None) -> tuple[Outcome, Budget]:
+             on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None,
+             screen: bool = True) -> tuple[Outcome, Budget]:
     """Search the run until a stop rule fires or a signal stops it. The outcome says which
     generations the candidates were tried on (`outcome.generations`). `on_in_flight` gets a
     callable that says what the running trials are doing (for the progress line)."""
@@ -147,7 +148,8 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
             if not (sig == signal.SIGHUP and old is signal.SIG_IGN):  # nohup: hangups stay ignored
                 signal.signal(sig, interrupt)
     try:
-        outcome = tune(run, problems, planner, executor, budget, history, on_trial, stop.is_set)
+        outcome = tune(run, problems, planner, executor, budget, history, on_trial, stop.is_set, screen=screen,
+                       retime=True)
     except ValueError as e:  # ClusterError: the Ray cluster lost every worker of a target generation
         if type(e).__name__ != "ClusterError":
             raise
