@@ -8,7 +8,6 @@ box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report writt
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import sys
 from functools import wraps
@@ -134,7 +133,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
                              freeze_problems=freeze, regions=_names(regions), e2e_tolerance=e2e_tolerance,
                              trace=workloads)
     if json_out:
-        _emit_json({"run": str(res.run.path), "hotspots": json.loads(res.result.model_dump_json()),
+        _emit_json({"run": str(res.run.path), "hotspots": res.result,
                     "problems": [p.name for p in res.problems], "skipped": res.skipped})
         return
     out.print(render_hotspots(res.result, top=max(0, top)))
@@ -281,7 +280,7 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
     except IntegrationError as e:
         _fail(str(e), 1)
     if json_out:
-        _emit_json(json.loads(result.model_dump_json()))
+        _emit_json(result)
     else:
         out.print(render(result))
         _say(f"wrote {folder.path / 'integration.json'}")

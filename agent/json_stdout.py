@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
+
+from tools import strict_json
 
 _JSON_FD: list[int] = []
 """The real stdout, once `claim` has sent everything else to stderr."""
@@ -22,7 +23,7 @@ def claim(json_out: bool) -> None:
 
 
 def emit(data: Any) -> None:
-    text = json.dumps(data, indent=2, default=str) + "\n"
+    text = strict_json.dumps(data, indent=2, default=str) + "\n"
     if not _JSON_FD:
         sys.stdout.write(text)
         return

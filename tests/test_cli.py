@@ -23,7 +23,12 @@ def agent(*args, env: dict | None = None, timeout: float = 300) -> subprocess.Co
 def ok_json(result: subprocess.CompletedProcess, codes=(0,)):
     assert result.returncode in codes, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    return strict(result.stdout)
+
+
+def strict(text: str):
+    """As a strict parser reads JSON (JavaScript's, jq's, Go's): a bare NaN or Infinity is an error."""
+    return json.loads(text, parse_constant=lambda word: pytest.fail(f"not strict JSON: bare {word}"))
 
 
 @pytest.fixture(scope="module")
