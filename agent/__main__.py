@@ -1,3 +1,5 @@
+"""`python -m agent` and the `agent` console script: the command line, then the process's end (`end`)."""
+
 import atexit
 import ctypes
 import os
@@ -63,12 +65,20 @@ def _end_within(seconds: float, code) -> None:
     threading.Thread(target=last_resort, daemon=True, name="nightshift-exit").start()
 
 
-try:
-    main()
-except SystemExit as e:
-    end(e.code)
-except KeyboardInterrupt:  # one that no command turned into its own exit
-    end(130)
-except BaseException:  # a bug's traceback, then the same end
-    traceback.print_exc()
-    end(1)
+def run() -> None:
+    """The `agent` command, as `python -m agent` and as the console script pip installs
+    (pyproject.toml): both end through `end`. The script called agent.cli.main directly and
+    skipped it, so a tune started as `agent tune` had none of the exit's guards."""
+    try:
+        main()
+    except SystemExit as e:
+        end(e.code)
+    except KeyboardInterrupt:  # one that no command turned into its own exit
+        end(130)
+    except BaseException:  # a bug's traceback, then the same end
+        traceback.print_exc()
+        end(1)
+
+
+if __name__ == "__main__":
+    run()
