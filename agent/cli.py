@@ -59,7 +59,7 @@ def _guard(fn):
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/signals.py)
             from sandbox.client import stop_all
             stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
-            _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
+            _fail(f"interrupted ({str(e) or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code
             _fail(os_error_line(e))
         except sqlite3.Error as e:

@@ -22,6 +22,11 @@ def claim(json_out: bool) -> None:
     os.dup2(2, 1)
 
 
+def json_fds() -> list[int]:
+    """The descriptor the JSON goes to, once claimed (agent/signals.py detaches it after a hangup)."""
+    return list(_JSON_FD)
+
+
 def emit(data: Any) -> None:
     text = strict_json.dumps(data, indent=2, default=str) + "\n"
     if not _JSON_FD:

@@ -61,6 +61,8 @@ class Outcome:
     planner_failure: str = ""
     """Why the planners could propose nothing more, when that was a failure (an API that kept
     failing, answers that could not be read, a planner that raised), not a finished search."""
+    generations: list[str] = field(default_factory=list)
+    """The hardware generations the candidates were tried on (set by agent.tuning.run_tune)."""
 
 
 def load_history(run: RunFolder, problems: list[Problem], generations: list[str]) -> History:

@@ -5,16 +5,40 @@ removed, exit 130. Under `nohup` a hangup stays ignored, as nohup asked."""
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 from contextlib import contextmanager
 
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+
+def detach_from_terminal() -> None:
+    """After a hangup the terminal is gone and every write to it fails (EIO: the command's last
+    lines ended in an error, or a traceback, instead of exit 130). What is left to say goes to
+    runs/<run>/log.txt only. A hung-up terminal no longer answers isatty, so every character
+    device among the output descriptors (the terminal; /dev/null aside) is replaced."""
+    from agent.json_stdout import json_fds
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        null = os.fstat(devnull)
+        for fd in (1, 2, *json_fds()):
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISCHR(st.st_mode) and not os.path.samestat(st, null):
+                    os.dup2(devnull, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(devnull)
 
 
 @contextmanager
 def signals_as_interrupts():
     def interrupt(signum, frame):
         from sandbox.client import stop_all
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
         stop_all(from_signal=True)  # before unwinding: code that catches the interrupt must not keep workers alive
         raise KeyboardInterrupt(STOP_SIGNALS.get(signum, f"signal {signum}"))
 

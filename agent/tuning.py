@@ -9,7 +9,6 @@ Under `nohup` SIGHUP stays ignored, as nohup asked.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from typing import TYPE_CHECKING, Callable
@@ -18,7 +17,7 @@ from agent.budget import Budget
 from agent.errors import UserError
 from agent.loop import Outcome, load_history, tune
 from agent.planners import PlannerError, make_planner, planner_names
-from agent.signals import STOP_SIGNALS
+from agent.signals import STOP_SIGNALS, detach_from_terminal
 from tools.problem import Problem, StopRule
 from tools.runfolder import RunFolder
 from tools.trial import Trial
@@ -133,7 +132,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
         budget.stop_reason = f"interrupted ({stopped_by[0]})"  # what the store's stop event says
         _restore(previous)
         if signum == signal.SIGHUP:
-            _detach_from_terminal()
+            detach_from_terminal()
         if hasattr(executor, "interrupt"):  # Ray: the run loop tells the actors
             executor.interrupt()
         else:
@@ -166,19 +165,6 @@ def _restore(handlers: dict) -> None:
     for sig, old in handlers.items():
         if old is not None:
             signal.signal(sig, old)
-
-
-def _detach_from_terminal() -> None:
-    """After a hangup the terminal is gone, and writing to it fails: what is left to say goes
-    to runs/<run>/log.txt only."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        try:
-            if os.isatty(fd):
-                os.dup2(devnull, fd)
-        except OSError:
-            pass
-    os.close(devnull)
 
 
 def _stopped_planner(run: RunFolder, on_note: Callable[[str], None]) -> Callable[[str], None]:
