@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -241,3 +242,43 @@ def test_a_closed_terminal_and_a_second_ctrl_c_end_the_tune_cleanly(tmp_path):
             assert last_line(text) == f"continue with: agent tune --resume {run}", text[-2000:]
             assert "stopped: interrupted (Ctrl-C)" in text
         assert_run_whole(run, held)
+
+
+SLOW = """import time, torch
+
+def forward(module, x):
+    time.sleep(0.5)  # a trial that is still running when the search is left
+    xf = x.float()
+    return module.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
+"""
+
+
+def test_a_search_left_mid_trial_ends_its_lanes_when_the_executor_closes(tmp_path):
+    """A second Ctrl-C leaves the search loop, and with it the executor's trials, while lanes are
+    mid-trial; a lane still inside torch when the interpreter exits aborts the process (SIGABRT),
+    and only the exit's last resort kept that from happening. Closing the executor ends them."""
+    from agent.budget import Budget
+    from agent.executors.local import LocalExecutor, parse_devices
+    from agent.feed import Feed
+    from sandbox.runner import Limits
+    from tools.problem import StopRule
+    from tools.trial import Candidate
+    profiled = subprocess.run([sys.executable, "-m", "agent", "profile", "--model", ROOT / "tests" / "models" /
+                               "tiny_rmsnorm.py", "--runs-dir", tmp_path, "--json"], cwd=ROOT, env=env(),
+                              capture_output=True, text=True, timeout=300)
+    (run,) = runs_in(tmp_path)
+    executor = LocalExecutor(parse_devices("cpu")[0], [run / "problems" / "RMSNorm"], Limits(budget_ms=50))
+    feed = Feed(executor.generations)
+    path = tmp_path / "slow.py"
+    path.write_text(SLOW)
+    feed.put([(Candidate(region="RMSNorm", source=SLOW.replace("0.5", f"0.5{i}"), planner="test"), "cpu", str(path))
+              for i in range(5)])
+    trials = executor.run(feed, Budget(StopRule(max_candidates=10)))
+    try:
+        assert next(t for t in trials if t is not None).status.value == "ok", profiled.stderr[-2000:]
+        while not executor.in_flight():  # the next trial has begun
+            next(trials)
+        trials.close()  # as the interrupt out of the search loop closes it
+    finally:
+        executor.close()
+    assert not [t for t in threading.enumerate() if t.name.endswith("(work)") and t.is_alive()]
