@@ -57,7 +57,9 @@ def _guard(fn):
         except ValidationError as e:
             _fail("; ".join(_validation_text(x) for x in e.errors()))
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/signals.py)
+            from agent.signals import stopping
             from sandbox.client import stop_all
+            stopping()
             stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
             _fail(f"interrupted ({str(e) or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code

@@ -33,6 +33,20 @@ def detach_from_terminal() -> None:
         os.close(devnull)
 
 
+def stopping() -> None:
+    """The command is ending already (an interrupt is being handled, or the process exits): a
+    second Ctrl-C or SIGTERM there cut the cleanup short or landed in the interpreter's exit,
+    which then killed itself with SIGINT (exit -2, Ctrl-C typed twice while profiling). From
+    here they are ignored, and a hangup only detaches the terminal. Main thread only."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, lambda signum, frame: detach_from_terminal())
+    except ValueError:  # not the main thread
+        pass
+
+
 @contextmanager
 def signals_as_interrupts():
     def interrupt(signum, frame):
