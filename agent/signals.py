@@ -13,12 +13,17 @@ from contextlib import contextmanager
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
 
+_HUNG_UP: list[bool] = []
+"""Whether a hangup detached the terminal (code that had saved a descriptor may have put it back)."""
+
+
 def detach_from_terminal() -> None:
     """After a hangup the terminal is gone and every write to it fails (EIO: the command's last
     lines ended in an error, or a traceback, instead of exit 130). What is left to say goes to
     runs/<run>/log.txt only. A hung-up terminal no longer answers isatty, so every character
     device among the output descriptors (the terminal; /dev/null aside) is replaced."""
     from agent.json_stdout import json_fds
+    _HUNG_UP.append(True)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         null = os.fstat(devnull)
@@ -37,7 +42,10 @@ def stopping() -> None:
     """The command is ending already (an interrupt is being handled, or the process exits): a
     second Ctrl-C or SIGTERM there cut the cleanup short or landed in the interpreter's exit,
     which then killed itself with SIGINT (exit -2, Ctrl-C typed twice while profiling). From
-    here they are ignored, and a hangup only detaches the terminal. Main thread only."""
+    here they are ignored, and a hangup only detaches the terminal (again, where one came: the
+    profiler's stderr filter puts the terminal back as it ends). Main thread only."""
+    if _HUNG_UP:
+        detach_from_terminal()
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
