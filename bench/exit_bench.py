@@ -176,7 +176,8 @@ def left_behind(pid: int) -> list[int]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
             if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
                 continue
-            if os.getpgid(int(entry)) == pid or (b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == str(pid).encode()):
+            worker = b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == str(pid).encode()
+            if os.getpgid(int(entry)) == pid or worker:
                 found.append(int(entry))
         except (OSError, IndexError, ValueError):
             continue
@@ -223,7 +224,8 @@ def finish(tuner: Tuner, run: Path | None, held: int, label: str, expect: int = 
         except (ProcessLookupError, PermissionError):
             pass
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", tuner.log.read_text(errors="replace")).replace("\r", "")
-    after = text.rsplit("continue with: agent tune --resume", 1)[1].partition("\n")[2] if "continue with:" in text else ""
+    resumed = "continue with: agent tune --resume"
+    after = text.rsplit(resumed, 1)[1].partition("\n")[2] if resumed in text else ""
     run = run or newest_run(tuner.log.parent / "runs")
     return {"path": label + (" (terminal)" if tuner.tty else ""), "code": code, "expected": code == expect,
             "compile_winner": "(torch_compile," in text,

@@ -187,7 +187,8 @@ def main() -> None:
             mb = 1 << 20
             print(f"{s['trials']:>6} {(time.monotonic() - t0) / 60:>5.1f} {s['tuner']:>9.0f} "
                   f"{' + '.join(f'{w:.0f}' for w in s['workers']):>11} {s['disk'] / mb:>14.2f} "
-                  f"{parts['store'] / mb:>7.2f} {parts['wal'] / mb:>5.2f} {parts['sources'] / mb:>8.2f} {parts['inbox'] / mb:>6.2f} {parts['log'] / mb:>5.2f} "
+                  f"{parts['store'] / mb:>7.2f} {parts['wal'] / mb:>5.2f} {parts['sources'] / mb:>8.2f} "
+                  f"{parts['inbox'] / mb:>6.2f} {parts['log'] / mb:>5.2f} "
                   f"{parts['other'] / mb:>6.2f} {s['tmp'] / mb:>14.2f}", flush=True)
             next_row += args.every
     code = tuner.wait()
@@ -212,7 +213,8 @@ def main() -> None:
     seg2 = 1000 * (s2["disk"] - s1["disk"]) / max(1, s2["trials"] - s1["trials"])
     print(f"disk (run folder) growth per 1,000 trials: trials {s0['trials']}-{s1['trials']} {seg1 / 2**20:.2f} MB, "
           f"trials {s1['trials']}-{s2['trials']} {seg2 / 2**20:.2f} MB   {100 * (seg2 - seg1) / seg1:+.1f}%")
-    per = {k: (s2["parts"][k] - s0["parts"][k]) / max(1, s2["trials"] - s0["trials"]) for k in s2["parts"] if k != "wal"}
+    per = {k: (s2["parts"][k] - s0["parts"][k]) / max(1, s2["trials"] - s0["trials"])
+           for k in s2["parts"] if k != "wal"}
     print("  per trial: " + ", ".join(f"{k} {v / 1024:.2f} KB" for k, v in per.items())
           + f"; whole run folder at the end {s2['disk'] / 2**20:.1f} MB for {last} trials; the store's "
           f"write-ahead log at most {max(x['parts']['wal'] for x in samples) / 2**20:.1f} MB")

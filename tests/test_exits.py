@@ -106,7 +106,8 @@ def left_behind(pid: int) -> list[str]:
         try:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
             zombie = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-            mine = os.getpgid(int(entry)) == pid or (b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == b"%d" % pid)
+            worker = b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == b"%d" % pid
+            mine = os.getpgid(int(entry)) == pid or worker
         except (OSError, IndexError):
             continue
         if mine and not zombie:
@@ -141,6 +142,12 @@ def last_line(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "").rstrip().splitlines()[-1]
 
 
+def defaults() -> None:
+    """Ctrl-C and hangups at their defaults, as in a terminal's foreground job."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def reached(proc: subprocess.Popen, ready, out: Path, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -163,7 +170,7 @@ def test_a_signal_in_each_phase_ends_the_tune_cleanly(tmp_path, phase, way):
                                                                           ["--no-integrate"]))],
                                 cwd=ROOT, env=env(PHASE_MARKS=str(marks)), stdin=subprocess.DEVNULL, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGHUP)])
+                                preexec_fn=defaults)
     try:
         if phase == "search":
             reached(proc, lambda: any(trials_in(r) for r in runs_in(runs)), out)
@@ -175,7 +182,7 @@ def test_a_signal_in_each_phase_ends_the_tune_cleanly(tmp_path, phase, way):
         held = sum(trials_in(r) for r in runs_in(runs))
         for press in range(2 if way == "Ctrl-C twice" else 1):  # the second while the first is handled
             time.sleep(0.3 * press)
-            (os.killpg if way.startswith("Ctrl-C") else os.kill)(proc.pid, WAYS[way.removesuffix(" twice")])
+            os.killpg(proc.pid, WAYS[way.removesuffix(" twice")])  # to its process group, as a terminal sends them
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -208,8 +215,7 @@ def test_a_closed_terminal_and_a_second_ctrl_c_end_the_tune_cleanly(tmp_path):
     for attempt, keys in ((0, None), (1, b"\x03\x03")):
         pid, terminal = pty.fork()  # the tuner leads a session whose terminal is this pty
         if pid == 0:
-            for s in (signal.SIGINT, signal.SIGHUP):
-                signal.signal(s, signal.SIG_DFL)
+            defaults()
             os.execve(sys.executable, [sys.executable, "-m", "agent", "tune", "--resume", str(run), "--devices",
                                        "cpu", "--max-candidates", "50", "--no-integrate"], env(COLUMNS="120"))
         shown, held = b"", trials_in(run)
