@@ -224,6 +224,8 @@ def finish(tuner: Tuner, run: Path | None, held: int, label: str, expect: int = 
         except (ProcessLookupError, PermissionError):
             pass
     text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", tuner.log.read_text(errors="replace")).replace("\r", "")
+    if tuner.tty:  # the terminal's own echo of a typed Ctrl-C, not the tuner's output
+        text = text.replace("^C", "")
     resumed = "continue with: agent tune --resume"
     after = text.rsplit(resumed, 1)[1].partition("\n")[2] if resumed in text else ""
     run = run or newest_run(tuner.log.parent / "runs")
