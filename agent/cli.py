@@ -60,7 +60,7 @@ def _guard(fn):
             from agent.signals import stopping
             from sandbox.client import stop_all
             stopping()
-            stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
+            stop_all()  # what a start under way was launching goes too, before the exit line
             _fail(f"interrupted ({str(e) or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code
             _fail(os_error_line(e))

@@ -1,7 +1,8 @@
-"""SIGTERM and SIGHUP mean what Ctrl-C means: stop. Outside the search (which stops cleanly on
-its own, agent/tuning.py) they kill every sandbox worker this process started, then raise
-KeyboardInterrupt, as SIGINT does, so every command unwinds the same way: half-made run folders
-removed, exit 130. Under `nohup` a hangup stays ignored, as nohup asked."""
+"""Ctrl-C, SIGTERM and SIGHUP all mean stop. Outside the search (which stops cleanly on its own,
+agent/tuning.py) the first of them kills every sandbox worker this process started and raises
+KeyboardInterrupt, so every command unwinds the same way: half-made run folders removed, exit
+130; any later one is ignored while that happens (`stopping`). Under `nohup` a hangup stays
+ignored, as nohup asked."""
 
 from __future__ import annotations
 
@@ -38,14 +39,19 @@ def detach_from_terminal() -> None:
         os.close(devnull)
 
 
+_STOPPING: list[bool] = []
+
+
 def stopping() -> None:
     """The command is ending already (an interrupt is being handled, or the process exits): a
-    second Ctrl-C or SIGTERM there cut the cleanup short or landed in the interpreter's exit,
-    which then killed itself with SIGINT (exit -2, Ctrl-C typed twice while profiling). From
-    here they are ignored, and a hangup only detaches the terminal (again, where one came: the
-    profiler's stderr filter puts the terminal back as it ends). Main thread only."""
+    second Ctrl-C or SIGTERM there cut the cleanup short (no resume line, integration's workers
+    left to the exit) or landed in the interpreter's exit, which then killed itself with SIGINT
+    (exit -2, Ctrl-C typed twice while profiling). From here they are ignored for good, and a
+    hangup only detaches the terminal (again, where one came: the profiler's stderr filter puts
+    the terminal back as it ends). Main thread only."""
     if _HUNG_UP:
         detach_from_terminal()
+    _STOPPING.append(True)
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -55,18 +61,24 @@ def stopping() -> None:
         pass
 
 
+def is_stopping() -> bool:
+    """A stop signal is being handled: its handlers must not be put back."""
+    return bool(_STOPPING)
+
+
 @contextmanager
 def signals_as_interrupts():
     def interrupt(signum, frame):
         from sandbox.client import stop_all
         if signum == signal.SIGHUP:
             detach_from_terminal()
+        stopping()
         stop_all(from_signal=True)  # before unwinding: code that catches the interrupt must not keep workers alive
         raise KeyboardInterrupt(STOP_SIGNALS.get(signum, f"signal {signum}"))
 
     previous = {}
     try:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in STOP_SIGNALS:
             old = signal.getsignal(sig)
             if not (sig == signal.SIGHUP and old is signal.SIG_IGN):
                 previous[sig] = old
@@ -76,5 +88,5 @@ def signals_as_interrupts():
     try:
         yield
     finally:
-        for sig, old in previous.items():
+        for sig, old in previous.items() if not is_stopping() else ():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)

@@ -3,7 +3,8 @@ budget picked up where the run left it, and signals that stop it cleanly.
 
 SIGINT (Ctrl-C), SIGTERM and SIGHUP all stop the search the same way: trials in flight are cut
 short (not results: a resume runs them again), a stop event goes to the store, and the caller
-writes the report and prints the resume command. A second signal gets the default behaviour.
+writes the report and prints the resume command. A second signal leaves the search at once
+(agent/signals.py: it raises KeyboardInterrupt, and any after it is ignored).
 Under `nohup` SIGHUP stays ignored, as nohup asked.
 """
 
@@ -17,7 +18,7 @@ from agent.budget import Budget
 from agent.errors import UserError
 from agent.loop import Outcome, load_history, tune
 from agent.planners import PlannerError, make_planner, planner_names
-from agent.signals import STOP_SIGNALS, detach_from_terminal
+from agent.signals import STOP_SIGNALS, detach_from_terminal, is_stopping
 from tools.problem import Problem, StopRule
 from tools.runfolder import RunFolder
 from tools.trial import Trial
@@ -126,7 +127,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
     stopped_by: list[str] = []
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
-    def interrupt(signum, frame):  # the first signal: finish cleanly; a second: the default
+    def interrupt(signum, frame):  # the first signal: finish cleanly; a second: the command's own
         stop.set()
         stopped_by.append(STOP_SIGNALS.get(signum, f"signal {signum}"))
         budget.stop_reason = f"interrupted ({stopped_by[0]})"  # what the store's stop event says
@@ -153,7 +154,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
                         "--executor ray") from None
     finally:
         executor.close()
-        if main:
+        if main and not is_stopping():  # a second signal's handling ignores any further one
             _restore(previous)
     if stop.is_set():
         outcome.stop_reason = f"interrupted ({stopped_by[0] if stopped_by else 'Ctrl-C'})"

@@ -157,7 +157,7 @@ def reached(proc: subprocess.Popen, ready, out: Path, timeout: float = 240) -> N
 
 
 @pytest.mark.parametrize("phase,way", [("profile", "Ctrl-C twice"), ("freeze", "SIGHUP"), ("search", "Ctrl-C"),
-                                       ("integration", "SIGTERM"), ("report", "SIGHUP")])
+                                       ("integration", "Ctrl-C twice"), ("report", "SIGHUP")])
 def test_a_signal_in_each_phase_ends_the_tune_cleanly(tmp_path, phase, way):
     model, marks, runs, out = tmp_path / "phased.py", tmp_path / "marks", tmp_path / "runs", tmp_path / "out.txt"
     model.write_text(PHASED)
