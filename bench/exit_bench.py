@@ -229,7 +229,11 @@ def finish(tuner: Tuner, run: Path | None, held: int, label: str, expect: int = 
     resumed = "continue with: agent tune --resume"
     after = text.rsplit(resumed, 1)[1].partition("\n")[2] if resumed in text else ""
     run = run or newest_run(tuner.log.parent / "runs")
+    # Where a run was kept its resume line comes last: on the terminal, or (the terminal gone) in its log.
+    kept = run is not None and (run / "run.json").is_file()
+    said = resumed in text or (kept and resumed in _read(run / "log.txt").rstrip().rpartition("\n")[2])
     return {"path": label + (" (terminal)" if tuner.tty else ""), "code": code, "expected": code == expect,
+            "no_resume_line": kept and not said,
             "compile_winner": "(torch_compile," in text,
             "abort": code == -signal.SIGABRT or "terminate called" in text, "traceback": "Traceback" in text,
             "after_resume_line": after.strip()[:200], "orphans": len(orphans),
@@ -324,18 +328,20 @@ def main() -> None:
             rows.append(row)
             bad = [k for k in ("abort", "traceback") if row[k]] + (["orphans"] if row["orphans"] else []) \
                 + ([] if row["expected"] or "ended first" in row["path"] else ["unexpected status"]) \
+                + (["no resume line"] if row["no_resume_line"] else []) \
                 + ([] if row["store_ok"] else ["store"]) + (["after resume line"] if row["after_resume_line"] else [])
             print(f"{row['path']:<46} exit {row['code']!s:<5} {' '.join(bad) or 'clean'}"
                   + (" (winner: torch.compile of the region)" if row["compile_winner"] else "")
                   + (f"  ({row['log']})" if bad else ""), flush=True)
     print(f"\n{'exit path':<12} {'runs':>4}  {'exit statuses':<22} abort  traceback  orphans  store lost  "
-          "printed after the resume line")
+          "no resume line  printed after it")
     for label in dict.fromkeys(re.sub(r":.*", "", r["path"]) for r in rows):
         group = [r for r in rows if r["path"].startswith(label)]
         codes = ", ".join(f"{c}×{n}" for c, n in sorted(Counter(str(r["code"]) for r in group).items()))
         print(f"{label:<12} {len(group):>4}  {codes:<22} {sum(r['abort'] for r in group):>5}  "
               f"{sum(r['traceback'] for r in group):>9}  {sum(bool(r['orphans']) for r in group):>7}  "
-              f"{sum(not r['store_ok'] for r in group):>10}  {sum(bool(r['after_resume_line']) for r in group):>29}"
+              f"{sum(not r['store_ok'] for r in group):>10}  {sum(r['no_resume_line'] for r in group):>14}  "
+              f"{sum(bool(r['after_resume_line']) for r in group):>15}"
               f"   ({sum(r['path'].endswith('(terminal)') for r in group)} in a terminal"
               + (f", {sum(r['compile_winner'] for r in group)} with a torch.compile winner)" if label == "finished"
                  else ")"))
