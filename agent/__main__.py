@@ -1,3 +1,5 @@
+"""`python -m agent` and the `agent` console script: the command line, then the process's end (`end`)."""
+
 import atexit
 import ctypes
 import os
@@ -7,6 +9,7 @@ import time
 import traceback
 
 from agent.cli.main import main
+from agent.search.signals import stopping
 
 
 # How long the exit after an interrupt may wait for other threads; the environment may shorten it
@@ -28,11 +31,15 @@ def _interrupt_handled() -> None:
 
 
 def end(code) -> None:
-    """The process ends here. A daemon thread still running (a planner call left waiting, a
-    preload) is unwound by Python 3.11's exit, and one inside torch's C++ code then aborts the
-    process ("terminate called without an active exception") after the command had written
-    its results. So with one alive: the exit handlers run, the streams are flushed, and the
-    process ends without finalizing the interpreter."""
+    """The process ends here. A daemon thread still running is unwound by Python 3.11's exit,
+    and one inside torch's C++ code then aborts the process ("terminate called without an
+    active exception") after the command had written its results. The search's own threads
+    (lanes, the progress ticker) are ended before this; what may be left is a planner call
+    still waiting on an API. With one alive the exit handlers run (they kill the workers), the
+    streams are flushed, and the process ends without finalizing the interpreter. Nothing is
+    lost that way: every trial and event was committed to the store when it happened, and
+    run.json, the report and the log were written and closed before the command returned."""
+    stopping()
     _interrupt_handled()
     if not any(t.daemon and t.is_alive() for t in threading.enumerate()):
         if code == 130:
@@ -63,12 +70,20 @@ def _end_within(seconds: float, code) -> None:
     threading.Thread(target=last_resort, daemon=True, name="nightshift-exit").start()
 
 
-try:
-    main()
-except SystemExit as e:
-    end(e.code)
-except KeyboardInterrupt:  # one that no command turned into its own exit
-    end(130)
-except BaseException:  # a bug's traceback, then the same end
-    traceback.print_exc()
-    end(1)
+def run() -> None:
+    """The `agent` command, as `python -m agent` and as the console script pip installs
+    (pyproject.toml): both end through `end`. The script called agent.cli.main directly and
+    skipped it, so a tune started as `agent tune` had none of the exit's guards."""
+    try:
+        main()
+    except SystemExit as e:
+        end(e.code)
+    except KeyboardInterrupt:  # one that no command turned into its own exit
+        end(130)
+    except BaseException:  # a bug's traceback, then the same end
+        traceback.print_exc()
+        end(1)
+
+
+if __name__ == "__main__":
+    run()

@@ -35,6 +35,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandbox import procs
+
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534
 HIDDEN_ALWAYS = ("/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv")
@@ -144,12 +146,22 @@ def _starts(exe: str) -> str:
     """'' if this bwrap starts a jail (tried once per process and binary), else why not."""
     argv = jail_argv(["/bin/true"], weak=[], strong=[], visible=[], gpu=False)
     argv[0] = exe
+    # A session of its own, ended whole however the wait ends: a terminal's Ctrl-C reached the
+    # probe too, and killing bubblewrap alone left the process it forks for the namespace alive.
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as e:
         return f"bubblewrap ({exe}) failed to start: {e}"
-    if done.returncode != 0:
-        err = done.stderr.decode(errors="replace").strip()[:200]
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    except BaseException as e:  # a timeout, or the tuner interrupted meanwhile
+        procs.kill_group(proc.pid)
+        proc.wait()
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        return f"bubblewrap ({exe}) failed to start: {e}"
+    if proc.returncode != 0:
+        err = stderr.decode(errors="replace").strip()[:200]
         return f"bubblewrap ({exe}) cannot make namespaces here: {err}{_userns_hint()}"
     return ""
 

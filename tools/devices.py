@@ -24,6 +24,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel
 
+from tools import strict_json
+
 CACHE_FILE = "ceilings.json"
 
 
@@ -265,7 +267,7 @@ def get_ceilings(device: str | torch.device | DeviceInfo, refresh: bool = False)
     cache[key] = ceilings.model_dump()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=2, sort_keys=True))
+    tmp.write_text(strict_json.dumps(cache, indent=2, sort_keys=True))
     os.replace(tmp, path)  # atomic, so a concurrent reader never sees half a file
     return ceilings
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from tools import strict_json
+
 INTEGRATION_FILE = "integration.json"
 FAILED_FILE = "integration_failed.txt"
 """Why the last integration of a run gave no result (removed when one does): the report says it."""
@@ -103,7 +105,7 @@ class IntegrationResult(BaseModel):
     def save(self, run_path: Path) -> Path:
         path = Path(run_path) / INTEGRATION_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.write_text(strict_json.dumps(self, indent=2))
         tmp.replace(path)
         (Path(run_path) / FAILED_FILE).unlink(missing_ok=True)
         return path

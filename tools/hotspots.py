@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel
 from rich.table import Table
 
+from tools import strict_json
 from tools.devices import Ceilings
 
 ROOT = ""  # the module path of the model itself
@@ -109,7 +110,7 @@ class ProfileResult(BaseModel):
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=2))
+        path.write_text(strict_json.dumps(self, indent=2))
         return path
 
     @classmethod

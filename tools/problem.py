@@ -20,9 +20,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from tools import seal
+from tools import seal, strict_json
 
 PROBLEM_FILE = "problem.json"
 INPUTS_FILE = "inputs.pt"
@@ -188,9 +188,6 @@ class Workload(BaseModel):
 class Problem(BaseModel):
     """One region to speed up, frozen before trial 1."""
 
-    # A NaN or infinite `constant_output` is written as JSON's NaN/Infinity, not null (lost on load).
-    model_config = ConfigDict(ser_json_inf_nan="constants")
-
     name: str
     """Folder name, e.g. `LlamaMLP`."""
     region_class: str
@@ -289,7 +286,7 @@ class Problem(BaseModel):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / fname)) from None
             self.hashes[fname] = file_hash(folder / fname)
         tmp = folder / (PROBLEM_FILE + ".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
+        tmp.write_text(strict_json.dumps(self, indent=2))  # an all-NaN output's constant: "NaN"
         tmp.replace(folder / PROBLEM_FILE)
         seal.record(seal_root or folder.parent.parent,
                     [folder / f for f in (PROBLEM_FILE, INPUTS_FILE, REFERENCE_FILE, STATE_FILE)])

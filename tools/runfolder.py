@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tools import strict_json
 from tools.problem import FULL_BELOW, Problem, ProblemError, free_bytes
 from tools.store import Store, StoreError
 
@@ -135,7 +136,7 @@ class RunFolder:
     def write_info(self, info: RunInfo) -> None:
         tmp = self.path / "run.json.tmp"
         try:
-            tmp.write_text(info.model_dump_json(indent=2))
+            tmp.write_text(strict_json.dumps(info, indent=2))
         except OSError as e:  # raised as the file closes (a full disk), where it names no file
             tmp.unlink(missing_ok=True)
             raise OSError(e.errno, e.strerror, str(self.path / "run.json")) from None

@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from tools import strict_json
+
 SEAL_FILE = "seal.json"
 
 
@@ -69,7 +71,7 @@ def record(run: Path, files: list[Path]) -> None:
     for f in files:
         seal[os.path.relpath(Path(f).resolve(), run.resolve())] = file_hash(Path(f))
     tmp = run / (SEAL_FILE + ".tmp")
-    tmp.write_text(json.dumps(seal, indent=1, sort_keys=True))
+    tmp.write_text(strict_json.dumps(seal, indent=1, sort_keys=True))
     tmp.replace(run / SEAL_FILE)
 
 

@@ -20,6 +20,7 @@ from typing import Iterator
 
 from pydantic import ValidationError
 
+from tools import strict_json
 from tools.trial import Trial
 
 
@@ -141,10 +142,10 @@ class Store:
             (trial.region, trial.candidate_hash, trial.candidate_path, trial.planner, trial.template,
              trial.status.value, trial.reason, trial.error, trial.max_abs, trial.max_rel, trial.tolerance,
              trial.speedup, trial.device, trial.device_name, trial.generation, trial.gpu_seconds,
-             trial.started_at, trial.finished_at, trial.model_dump_json()))
+             trial.started_at, trial.finished_at, strict_json.dumps(trial)))
 
     def event(self, kind: str, **body) -> None:
-        self._write("INSERT INTO events (at, kind, body) VALUES (?,?,?)", (time.time(), kind, json.dumps(body)))
+        self._write("INSERT INTO events (at, kind, body) VALUES (?,?,?)", (time.time(), kind, strict_json.dumps(body)))
 
     def events(self, kind: str) -> list[dict]:
         rows = self._read("SELECT body FROM events WHERE kind = ? ORDER BY id", (kind,))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
+
+from tools import strict_json
 
 _JSON_FD: list[int] = []
 """The real stdout, once `claim` has sent everything else to stderr."""
@@ -21,8 +22,13 @@ def claim(json_out: bool) -> None:
     os.dup2(2, 1)
 
 
+def json_fds() -> list[int]:
+    """The descriptor the JSON goes to, once claimed (agent/search/signals.py detaches it after a hangup)."""
+    return list(_JSON_FD)
+
+
 def emit(data: Any) -> None:
-    text = json.dumps(data, indent=2, default=str) + "\n"
+    text = strict_json.dumps(data, indent=2, default=str) + "\n"
     if not _JSON_FD:
         sys.stdout.write(text)
         return

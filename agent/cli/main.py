@@ -8,7 +8,6 @@ box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report writt
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import sys
 from functools import wraps
@@ -58,9 +57,11 @@ def _guard(fn):
         except ValidationError as e:
             _fail("; ".join(_validation_text(x) for x in e.errors()))
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/search/signals.py)
+            from agent.search.signals import stopping
             from sandbox.client import stop_all
-            stop_all()  # Ctrl-C comes with no handler of ours: the workers go before the exit line
-            _fail(f"interrupted ({e or 'Ctrl-C'}); nothing half-made was kept", 130)
+            stopping()
+            stop_all()  # what a start under way was launching goes too, before the exit line
+            _fail(f"interrupted ({str(e) or 'Ctrl-C'}); nothing half-made was kept", 130)
         except OSError as e:  # the file system said no: name the file, not the line of code
             _fail(os_error_line(e))
         except sqlite3.Error as e:
@@ -134,7 +135,7 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
                              freeze_problems=freeze, regions=_names(regions), e2e_tolerance=e2e_tolerance,
                              trace=workloads)
     if json_out:
-        _emit_json({"run": str(res.run.path), "hotspots": json.loads(res.result.model_dump_json()),
+        _emit_json({"run": str(res.run.path), "hotspots": res.result,
                     "problems": [p.name for p in res.problems], "skipped": res.skipped})
         return
     out.print(render_hotspots(res.result, top=max(0, top)))
@@ -280,7 +281,7 @@ def integrate_(run: Path = typer.Argument(..., help="Run folder."),
     except IntegrationError as e:
         _fail(str(e), 1)
     if json_out:
-        _emit_json(json.loads(result.model_dump_json()))
+        _emit_json(result)
     else:
         out.print(render(result))
         _say(f"wrote {folder.path / 'integration.json'}")

@@ -144,6 +144,8 @@ class Progress:
 
     def close(self, text: str = "") -> None:
         self.closed.set()
+        if self.ticker.is_alive():  # no thread of ours is left running when the process ends
+            self.ticker.join(timeout=10)
         if self.live is not None:
             try:
                 self.live.update(self.table())

@@ -222,9 +222,9 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                                    workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget,
                                    on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)),
                                    screen=settings.screen if settings.screen is not None else kind != "cpu")
-    except KeyboardInterrupt:  # a second signal during the search: stopped, not cleanly
+    except KeyboardInterrupt as e:  # a second signal during the search, or one before its own handlers
         interrupted = True
-        outcome = Outcome("interrupted (a second signal)", 0, 0)
+        outcome = Outcome(f"interrupted ({str(e) or 'Ctrl-C'})", 0, 0)
     except BaseException:
         if early is not None:
             early.close()
@@ -260,6 +260,9 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
         report_path = report.write(run)
     except (OSError, ProblemError) as e:
         note(f"the report could not be written: {e}")
+    except KeyboardInterrupt:  # the results are all in the store: the run ends as any interrupted one
+        interrupted = True
+        note(f"the report was interrupted; agent report {run.path} writes it")
     code = INTERRUPTED if interrupted else SEARCH_FAILED if (outcome.planner_failure or not seen.trials) else 0
     if code == SEARCH_FAILED and not outcome.planner_failure:
         outcome.planner_failure = f"no candidate could be tried ({outcome.stop_reason})"

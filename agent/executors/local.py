@@ -92,6 +92,9 @@ def _generation(device: str) -> str:
     return arch.split(":")[0] if arch and arch.startswith("gfx") else f"sm{props.major}{props.minor}"
 
 
+LANE_END_S = 30.0
+"""How long `close` waits for a lane whose workers it killed (its trial then ends in seconds)."""
+
 LANE_DEVICE_GIB = 12
 """Device memory a lane needs at most, in GiB: on the H100 (79 GiB) 8 lanes of the example, its
 reference worker and the three compile baselines beside them reached 80 GiB and seven trials of 122
@@ -160,6 +163,7 @@ class LocalExecutor:
                                     compile_threads=SEARCH_COMPILE_THREADS)
                       for d, n in workers.items()}
         self.tokens = itertools.count()
+        self.lane_threads: list[threading.Thread] = []
 
     @property
     def runners(self) -> list[TrialRunner]:
@@ -178,22 +182,26 @@ class LocalExecutor:
         can refill the feed). Ends once the feed is closed and drained, the budget is spent, or
         `should_stop`. `on_start(candidate, generation)` is called from a lane's thread."""
         results: queue.Queue = queue.Queue()
+        left = threading.Event()  # the caller stopped reading early (a second signal, an error)
+
+        def stopped() -> bool:
+            return should_stop() or left.is_set()
 
         def work(slot: Slot) -> None:
             pool = self.pools[slot.device]
             try:
-                while not should_stop() and not budget.exhausted and not feed.drained(slot.generation):
+                while not stopped() and not budget.exhausted and not feed.drained(slot.generation):
                     job = feed.take(slot.generation, timeout=0.1)
                     if job is None:
                         continue
                     cand, gen, path = job
                     token = next(self.tokens)
                     while not budget.try_launch(token, slot.device):
-                        if budget.exhausted or should_stop():
+                        if budget.exhausted or stopped():
                             return
                         budget.wait(0.5)  # a sibling's trial may end sooner than reserved
                     on_start(cand, gen)
-                    trial = pool.run(cand, candidate_path=path, cancelled=should_stop, screen=screen(cand.region, gen))
+                    trial = pool.run(cand, candidate_path=path, cancelled=stopped, screen=screen(cand.region, gen))
                     if trial is None:  # interrupted mid-trial: not a result, so resume runs it again
                         budget.cancel(token)
                         return
@@ -216,6 +224,7 @@ class LocalExecutor:
                     return
 
         threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in self.lanes]
+        self.lane_threads += threads
         for t in threads:
             t.start()
         threading.Thread(target=watch, daemon=True, name="nightshift-cap").start()
@@ -223,10 +232,18 @@ class LocalExecutor:
             yield from results_of(results, len(threads))
         finally:
             ended.set()
+            if any(t.is_alive() for t in threads):  # their trials are cut short; `close` waits for them
+                left.set()
+                for pool in self.pools.values():
+                    pool.interrupt()
 
     def in_flight(self) -> list[str]:
         return [n for pool in self.pools.values() for n in pool.in_flight()]
 
     def close(self) -> None:
+        """Every worker closed, then every lane ended: a lane left inside torch when the process
+        exits aborts it (Python unwinds a daemon thread through torch's C++ frames: SIGABRT)."""
         for pool in self.pools.values():
             pool.close()
+        for t in self.lane_threads:
+            t.join(timeout=LANE_END_S)

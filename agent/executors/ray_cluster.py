@@ -14,7 +14,7 @@ from typing import Any
 from agent.executors.local import workers_per_gpu
 from sandbox.pool import SEARCH_COMPILE_THREADS, DevicePool
 from sandbox.runner import Limits
-from tools import seal
+from tools import seal, strict_json
 from tools.trial import Candidate
 
 GEN_PREFIX = "gen:"
@@ -127,7 +127,7 @@ def unpack_problems(packed: list[dict], root: Path) -> list[Path]:
             (folder / rel).write_bytes(data)
         meta = json.loads((folder / "problem.json").read_text())
         meta["model_file"] = str(model_dir / p["model_name"])  # hashes cover the tensors, not this path
-        (folder / "problem.json").write_text(json.dumps(meta, indent=2))
+        (folder / "problem.json").write_text(strict_json.dumps(meta, indent=2))
         # Sealed again here: the tuner checked the run's seal when it packed these files.
         seal.record(root, [f for f in folder.iterdir() if f.is_file()])
         folders.append(folder)
@@ -168,7 +168,7 @@ class TrialActor:
         trial = self.pool.run(Candidate.model_validate_json(candidate_json), candidate_path=candidate_path,
                               screen=screen)
         trial.generation = self.generation
-        return trial.model_dump_json()
+        return strict_json.dumps(trial)  # a NaN error read back as NaN, not None
 
     def interrupt(self) -> None:
         """Stop the trials running now (the tuner was interrupted); idle workers stay up."""

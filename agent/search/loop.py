@@ -67,6 +67,8 @@ class Outcome:
     planner_failure: str = ""
     """Why the planners could propose nothing more, when that was a failure (an API that kept
     failing, answers that could not be read, a planner that raised), not a finished search."""
+    generations: list[str] = field(default_factory=list)
+    """The hardware generations the candidates were tried on (set by agent.search.tuning.run_tune)."""
 
 
 def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Executor, budget: Budget,

@@ -3,13 +3,13 @@ budget picked up where the run left it, and signals that stop it cleanly.
 
 SIGINT (Ctrl-C), SIGTERM and SIGHUP all stop the search the same way: trials in flight are cut
 short (not results: a resume runs them again), a stop event goes to the store, and the caller
-writes the report and prints the resume command. A second signal gets the default behaviour.
+writes the report and prints the resume command. A second signal leaves the search at once
+(agent/search/signals.py: it raises KeyboardInterrupt, and any after it is ignored).
 Under `nohup` SIGHUP stays ignored, as nohup asked.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from typing import TYPE_CHECKING, Callable
@@ -19,7 +19,7 @@ from agent.errors import UserError
 from agent.history import load_history
 from agent.search.loop import Outcome, tune
 from agent.planners import PlannerError, make_planner, planner_names
-from agent.search.signals import STOP_SIGNALS
+from agent.search.signals import STOP_SIGNALS, detach_from_terminal, is_stopping
 from tools.problem import Problem, StopRule
 from tools.runfolder import RunFolder
 from tools.trial import Trial
@@ -129,13 +129,13 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
     stopped_by: list[str] = []
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
-    def interrupt(signum, frame):  # the first signal: finish cleanly; a second: the default
+    def interrupt(signum, frame):  # the first signal: finish cleanly; a second: the command's own
         stop.set()
         stopped_by.append(STOP_SIGNALS.get(signum, f"signal {signum}"))
         budget.stop_reason = f"interrupted ({stopped_by[0]})"  # what the store's stop event says
         _restore(previous)
         if signum == signal.SIGHUP:
-            _detach_from_terminal()
+            detach_from_terminal()
         if hasattr(executor, "interrupt"):  # Ray: the run loop tells the actors
             executor.interrupt()
         else:
@@ -157,7 +157,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
                         "--executor ray") from None
     finally:
         executor.close()
-        if main:
+        if main and not is_stopping():  # a second signal's handling ignores any further one
             _restore(previous)
     if stop.is_set():
         outcome.stop_reason = f"interrupted ({stopped_by[0] if stopped_by else 'Ctrl-C'})"
@@ -169,19 +169,6 @@ def _restore(handlers: dict) -> None:
     for sig, old in handlers.items():
         if old is not None:
             signal.signal(sig, old)
-
-
-def _detach_from_terminal() -> None:
-    """After a hangup the terminal is gone, and writing to it fails: what is left to say goes
-    to runs/<run>/log.txt only."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        try:
-            if os.isatty(fd):
-                os.dup2(devnull, fd)
-        except OSError:
-            pass
-    os.close(devnull)
 
 
 def _stopped_planner(run: RunFolder, on_note: Callable[[str], None]) -> Callable[[str], None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -189,7 +189,8 @@ def native_stderr_without(*prefixes: str):
             kept = [ln for ln in capture.read().splitlines(keepends=True) if not ln.startswith(
                 tuple(p.encode() for p in prefixes))]
             if kept:
-                os.write(2, b"".join(kept))
+                with suppress(OSError):  # a terminal that hung up meanwhile
+                    os.write(2, b"".join(kept))
 
 
 def _per_workload_ms(result: ProfileResult, qualname: str) -> dict[str, float]:
