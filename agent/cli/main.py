@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from agent.flags import BASELINES, parse_compile_modes
-from agent.cli.json_stdout import claim as _stdout_for_json, emit as _emit_json
+from agent.json_stdout import claim as _stdout_for_json, emit as _emit_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="nightshift: overnight, accuracy-gated search for faster GPU kernels.")

@@ -23,7 +23,7 @@ def detach_from_terminal() -> None:
     lines ended in an error, or a traceback, instead of exit 130). What is left to say goes to
     runs/<run>/log.txt only. A hung-up terminal no longer answers isatty, so every character
     device among the output descriptors (the terminal; /dev/null aside) is replaced."""
-    from agent.cli.json_stdout import json_fds
+    from agent.json_stdout import json_fds
     _HUNG_UP.append(True)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
