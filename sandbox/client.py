@@ -114,16 +114,20 @@ class Worker:
                 return started
         nonce = secrets.token_hex(8)
         t0, stopped0 = time.monotonic(), self.stopped_seconds()
+        # Read once: a close on another thread (the executor's, at a stop) sets it to None.
+        sock = self.sock
         try:
-            protocol.send(self.sock, {**header, "nonce": nonce}, tensors, fds=fds)
+            if sock is None:
+                raise protocol.ChannelClosed("the worker was closed")
+            protocol.send(sock, {**header, "nonce": nonce}, tensors, fds=fds)
             # The time limit counts the worker's own time: seconds it spent stopped while a
             # sibling timed (TrialRunner.siblings) are added to it.
             def left() -> float:
                 return t0 + timeout + self.stopped_seconds() - stopped0 - time.monotonic()
-            while not select.select([self.sock], [], [], max(0.0, min(1.0, left())))[0]:
+            while not _readable(sock, max(0.0, min(1.0, left()))):
                 if left() <= 0:
                     raise protocol.ChannelTimeout(f"no frame within {timeout:.0f} s")
-            head, payload = protocol.recv(self.sock, timeout)
+            head, payload = protocol.recv(sock, timeout)
         except protocol.ChannelTimeout:
             self.kill()
             return Reply(False, status="timeout", error=f"no answer to {header.get('op')!r} within {timeout:.0f} s",
@@ -254,13 +258,21 @@ class Worker:
         _LIVE.discard(self)
 
     def close(self) -> None:
-        if self.alive:
+        sock, proc = self.sock, self.proc  # read once: a kill on another thread sets them to None
+        if sock is not None and proc is not None and proc.poll() is None:
             try:
-                protocol.send(self.sock, {"op": "exit"})
-                self.proc.wait(timeout=5)
+                protocol.send(sock, {"op": "exit"})
+                proc.wait(timeout=5)
             except (protocol.ChannelClosed, subprocess.TimeoutExpired):
                 pass
         self.kill()
+
+
+def _readable(sock: socket.socket, seconds: float) -> bool:
+    try:
+        return bool(select.select([sock], [], [], seconds)[0])
+    except (ValueError, OSError) as e:  # closed under us (fileno -1) by a kill on another thread
+        raise protocol.ChannelClosed(f"the worker's socket was closed: {e}") from None
 
 
 def _exit_text(code: int | None) -> str:

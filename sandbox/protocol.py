@@ -53,7 +53,8 @@ def _layout(x: Any, parts: list) -> list:
         t = x.detach()
         if t.layout != torch.strided or str(t.dtype).removeprefix("torch.") not in _DTYPES:
             raise TypeError(f"a {t.layout} {t.dtype} tensor cannot cross the wire")
-        parts.append(t.to("cpu").contiguous())
+        # A conjugate or negative view (`.conj()`) has no bytes of its own to send: they are made.
+        parts.append(t.to("cpu").resolve_conj().resolve_neg().contiguous())
         return ["T", str(t.dtype).removeprefix("torch."), list(t.shape)]
     if x is None or isinstance(x, (bool, int, float, str)):
         return ["V", x]
@@ -136,7 +137,11 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None, raw: bool =
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([sock], [], [], left)[0]:
+            try:
+                ready = left > 0 and select.select([sock], [], [], left)[0]
+            except (ValueError, OSError) as e:  # closed under us (fileno -1) by another thread
+                raise ChannelClosed(str(e)) from None
+            if not ready:
                 raise ChannelTimeout(f"no answer within the time limit ({got}/{n} bytes)")
         try:
             k = sock.recv_into(view[got:], min(n - got, 1 << 22))

@@ -200,6 +200,8 @@ def _dense(t: Any) -> Any:
     widest integers its bytes divide into; through the dispatcher, no Tensor method of `t` called."""
     import torch
     aten = torch.ops.aten
+    # A conjugate or negative view (`.conj()`) is its bits only once resolved: they cannot be viewed.
+    t = aten.resolve_neg.default(aten.resolve_conj.default(t))
     if not aten.is_contiguous.default(t):
         t = aten.clone.default(t, memory_format=torch.contiguous_format)
     return aten.reshape.default(t, [-1])

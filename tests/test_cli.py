@@ -319,7 +319,7 @@ def test_a_daemon_thread_inside_torch_at_exit_does_not_abort_the_command(tmp_pat
 
 
 FLAGGED = """import ctypes, runpy
-import agent.cli.main
+import agent.cli.main as cli
 
 def command():
     # A SIGTERM landing in code that C ran as a string (exec of a dataclass's __init__ during an
@@ -331,7 +331,7 @@ def command():
     except KeyboardInterrupt:
         raise SystemExit(3)
 
-agent.cli.main = command
+cli.main = command  # what agent/__main__.py calls
 runpy.run_module("agent", run_name="__main__")
 """
 
@@ -354,12 +354,12 @@ def test_an_interrupt_ends_the_command_even_with_a_thread_nothing_will_end(tmp_p
     with 130 once its exit handlers have run."""
     marker = tmp_path / "exit-handler-ran"
     code = ("import atexit, runpy, threading\n"
-            "import agent.cli.main\n"
+            "import agent.cli.main as cli\n"
             "threading.Thread(target=threading.Event().wait, name='orphan').start()\n"
             f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
             "def interrupted():\n"
             "    raise KeyboardInterrupt('SIGTERM')\n"
-            "agent.cli.main = interrupted\n"
+            "cli.main = interrupted\n"
             "runpy.run_module('agent', run_name='__main__')\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NIGHTSHIFT_EXIT_AFTER_INTERRUPT_S": "2"}
     got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)

@@ -368,4 +368,4 @@ def test_a_complex_output_is_compared_as_complex(tmp_path):
     assert "complex" in whole.workloads[0].tolerance_source
     ok, conj = _judged([tmp_path / "problems" / problem.name], (problem.name, OWN), (problem.name, CONJUGATE))
     assert ok.status is Status.ok, (ok.status, ok.reason, ok.error_text[-600:])
-    assert conj.status is Status.wrong, (conj.status, conj.reason)
+    assert conj.status is Status.wrong, (conj.status, conj.reason, conj.error_text[-1500:])

@@ -262,7 +262,7 @@ def test_a_cpu_runs_report_leads_with_correctness_and_claims_no_speedup(tuned):
         (tuned / "integration.json").unlink()
     md = (tuned / "report.md").read_text()
     head = md[md.index("## End to end"):md.index("| workload |")]
-    assert "correctness only: with RMSNorm applied the model is within the tolerance on every workload" in head
+    assert "**correctness only**: with RMSNorm applied the model is within the tolerance on every workload" in head
     assert "no speedup is claimed" in head and not re.search(r"\d\.\d\dx", head), head
     html = (tuned / "report.html").read_text()
     summary = html[html.index('id="summary"'):html.index("End to end on")]

@@ -44,7 +44,7 @@ def _top_level(input_set: Any) -> list[str]:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same_bits(a: Any, b: Any) -> bool:

@@ -348,7 +348,7 @@ def tensor_hash(obj: Any) -> str:
 
     def walk(x: Any) -> None:
         if isinstance(x, torch.Tensor):
-            t = x.detach().to("cpu").contiguous()
+            t = x.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
             h.update(f"T{tuple(t.shape)}{t.dtype}".encode())
             if t.numel():
                 h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes

@@ -60,7 +60,8 @@ class EndToEnd:
     kind: str
     unit: str
     speedup: str
-    """The weighted speedup ("" when none was measured); `headline` goes on from it."""
+    """The lead, in bold: the weighted speedup, "correctness only" on a CPU run, "" when none was
+    measured. `headline` goes on from it (after a space, or straight on when it starts with ":")."""
     headline: str
     workloads: list[WorkloadRow]
     ways: list[str]
@@ -249,7 +250,7 @@ def end_to_end(res: IntegrationResult, trace: str | None = None) -> EndToEnd:
     """Integration's numbers: per workload, against every way of running the model, and what was
     applied, dropped or failed. `trace`: the request trace the workloads' weights came from."""
     unit = "CPU ms" if res.timing_kind == "cpu" else "ms"
-    speedup, headline = ("", f"correctness only: {cpu_headline(res)}") if res.timing_kind == "cpu" else e2e_headline(res)
+    speedup, headline = ("correctness only", f": {cpu_headline(res)}") if res.timing_kind == "cpu" else e2e_headline(res)
     headline += "".join(f" The error is OUTSIDE the tolerance on {w.name}." for w in res.workloads
                         if within(w.error, w.tolerance) is False)
     rows = [WorkloadRow(w.name, f"{w.weight:g}", fmt_ms(w.eager_ms), fmt_ms(w.tuned_ms), fmt_speedup(w),

@@ -73,12 +73,13 @@ class Outcome:
 
 def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Executor, budget: Budget,
          history: History, on_trial: Callable[[Trial], None] = lambda t: None,
-         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2, screen: bool = True,
+         should_stop: Callable[[], bool] = lambda: False, batch_per_device: int = 2, screen: bool = False,
          retime: bool = False) -> Outcome:
     """Until a stop rule fires. The planner is asked again whenever fewer jobs wait than there
     are lanes, so a lane never waits while a planner (an LLM, say) thinks; it sees every
     result finished by then, and the jobs queued or running as tried. `screen`: a verified
-    candidate clearly slower than its region's best so far is not timed in full. `retime`: each
+    candidate clearly slower than its region's best so far is not timed in full (off unless asked:
+    the command turns it on for GPU timings only). `retime`: each
     region's finalists are timed again at the end, in room the budget holds back for them."""
     store = run.store()
     bars = Bars(screen)

@@ -71,7 +71,7 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
              ray_address: str | None = None, workers_per_gpu: int | None = None,
              on_budget: Callable[[Budget], None] = lambda b: None,
              on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None,
-             screen: bool = True) -> tuple[Outcome, Budget]:
+             screen: bool = False) -> tuple[Outcome, Budget]:
     """Search the run until a stop rule fires or a signal stops it. The outcome says which
     generations the candidates were tried on (`outcome.generations`). `on_in_flight` gets a
     callable that says what the running trials are doing (for the progress line)."""
