@@ -154,6 +154,43 @@ def _starts(exe: str) -> str:
     return ""
 
 
+FORK_ENV = "NIGHTSHIFT_FORK_WORKERS"
+"""0: every jailed worker is started afresh (`python -m sandbox.worker` in a bwrap of its own)."""
+FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
+"""What a fork server keeps in its jail (with CAP_SETUID/CAP_SETGID as root) to give each worker
+namespaces of its own: mounts, the loopback, the bounding set. No worker keeps any."""
+
+
+def forking() -> str:
+    """'' if jailed workers are forked from a fork server here (sandbox/forkserver.py); else why
+    each starts afresh: turned off, no jail, or a forked dummy that could not be isolated."""
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return f"turned off ({FORK_ENV}=0)"
+    why = bwrap_works()
+    if why:
+        return f"no jail ({why})"
+    return _fork_probe(bwrap_path() or "bwrap", os.geteuid())
+
+
+@functools.cache
+def _fork_probe(exe: str, euid: int) -> str:
+    """'' if a dummy forked in a fork server's jail gets namespaces, mounts and a user of its own
+    here (tried once per process, binary and user), else why not."""
+    weak, strong = hidden_paths([])
+    argv = jail_argv([sys.executable, "-m", "sandbox.forkserver", "--probe"], weak=weak, strong=strong,
+                     visible=python_paths(), gpu=False, fork_server=True)
+    argv[0] = exe
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=60, env=env, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the fork server's probe did not run: {e}"
+    if done.returncode != 0:
+        text = (done.stdout + done.stderr).decode(errors="replace").strip()
+        return f"a forked worker could not be isolated here: {text[-300:]}"
+    return ""
+
+
 def refusal(planners: list[str] | tuple[str, ...], what: str) -> str:
     """'' if candidates of these planners may run now; else why not, as one line to show the user.
     Candidates the project did not write run only jailed, or where the user said `--no-jail`."""
@@ -175,7 +212,7 @@ def describe() -> Isolation:
             "filesystem: host root read-only; HOME, /root, /home, /tmp, /run, run folders and .git hidden",
             "processes: own pid namespace (cannot signal the tuner; its children die with it)",
             "network: empty network namespace", f"user: {who}, no capabilities",
-            "environment: rebuilt from an allow-list (no keys or tokens)"],
+            "environment: rebuilt from an allow-list (no keys or tokens)", _starts_line()],
             ["the GPU: sibling workers share the device (timings are taken under a device lock)",
              "world-readable files outside the hidden folders can be read"], f"bwrap: {bwrap_path()}")
     return Isolation("none", ["environment: rebuilt from an allow-list (no keys or tokens)",
@@ -183,6 +220,16 @@ def describe() -> Isolation:
                      ["filesystem: the worker runs as the tuner's user and can read and write what it can, "
                       "run folders included", "processes: a candidate can signal the tuner and start processes "
                       "that outlive its trial", "user: same user as the tuner"], why)
+
+
+def _starts_line() -> str:
+    why = forking()
+    if why:
+        return f"starts: each worker in a bubblewrap jail of its own, started afresh (fork server not used: {why})"
+    return ("starts: forked from a fork server per configuration (torch imported once), each worker in pid, "
+            "mount, IPC, network and UTS namespaces of its own with its own tmpfs folder, /dev/shm and /proc, "
+            "every other folder of the jail read-only; the fork server holds " + ", ".join(FORK_SERVER_CAPS)
+            + " in its jail and runs no candidate code")
 
 
 def hidden_paths(strong: list[Path]) -> tuple[list[str], list[str]]:
@@ -264,11 +311,14 @@ def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], wr
 
 
 def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: list[str], gpu: bool,
-              keep: list[str] = (), writable: list[tuple[str, str]] = (), folder_bytes: int | None = None) -> list[str]:
+              keep: list[str] = (), writable: list[tuple[str, str]] = (), folder_bytes: int | None = None,
+              fork_server: bool = False) -> list[str]:
     """The bwrap command line that runs `cmd` in the jail described in the module docstring.
     `keep`: folders (the model's) visible even inside a strongly hidden one. `writable`: (folder,
     path inside) pairs, mounted read-write there even inside a hidden folder (a compile cache).
-    `folder_bytes`: the size of the tmpfs that holds the worker's own folder (where bwrap can)."""
+    `folder_bytes`: the size of the tmpfs that holds the worker's own folder (where bwrap can).
+    `fork_server`: the same jail for a fork server, which keeps what it needs to give each worker
+    it forks namespaces of its own (FORK_SERVER_CAPS; every worker drops them all)."""
     visible = sorted({os.path.realpath(v) for v in visible if os.path.exists(v)})
     weak = [w for w in weak if w not in visible] + ([] if "/tmp" in weak else ["/tmp"])  # the workdir's tmpfs
     argv = [bwrap_path() or "bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
@@ -297,19 +347,21 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
             argv += ["--dev-bind", dev, dev]
     argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
              "--die-with-parent", "--new-session", "--chdir", WORKDIR]
+    server = [a for c in FORK_SERVER_CAPS for a in ("--cap-add", c)] if fork_server else []
     if os.geteuid() == 0:
         # Root outside: no user namespace; the worker keeps only the right to drop to `nobody`.
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] + server
     else:
-        argv += ["--unshare-user"]
+        argv += ["--unshare-user"] + server  # capabilities in the jail's own user namespace only
     return argv + ["--"] + cmd
 
 
 def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool,
-         writable: list[tuple[str, str]] = (), folder_bytes: int | None = None) -> tuple[list[str], Isolation, str]:
+         writable: list[tuple[str, str]] = (), folder_bytes: int | None = None,
+         fork_server: bool = False) -> tuple[list[str], Isolation, str]:
     """(argv, isolation, cwd inside) for a worker command: jailed with bubblewrap when it works.
     `hide`: run folders (and any other folder) the worker must never see; `writable`: folders
-    it may write (jail_argv)."""
+    it may write (jail_argv); `fork_server`: the command is a fork server (jail_argv)."""
     iso = describe()
     if iso.kind != "bubblewrap":
         return cmd, iso, ""
@@ -317,4 +369,4 @@ def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool
     weak, strong = hidden_paths([Path(h) for h in hide] + [Path(d) for d in model_dirs])
     strong = [s for s in strong if s not in model_dirs]
     return (jail_argv(cmd, weak=weak, strong=strong, visible=python_paths() + model_dirs, gpu=gpu, keep=model_dirs,
-                      writable=list(writable), folder_bytes=folder_bytes), iso, WORKDIR)
+                      writable=list(writable), folder_bytes=folder_bytes, fork_server=fork_server), iso, WORKDIR)
