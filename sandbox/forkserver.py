@@ -182,6 +182,7 @@ def _init(req: dict, sock_fd: int, status_fd: int, args, mode: str, t0: float) -
     # to its parent is dropped, as bubblewrap's init drops it.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     namespaces.mount_own_proc()
+    namespaces.prctl(namespaces.PR_SET_DUMPABLE, 0)  # the worker, though of its namespace, cannot trace it
     worker = os.fork()
     if worker == 0:
         code = 72
