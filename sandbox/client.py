@@ -108,6 +108,8 @@ class Worker:
             self.kill()
             return Reply(False, status="crash", error=f"{self.hello.get('error', 'worker refused to start')}\n{tail}")
         self.hello["isolation"] = {**self.hello.get("isolation", {}), "jail": self.isolation}
+        if isinstance(self.proc, zygotes.ForkedProc):  # forked, or (CUDA in the server) forked then exec'd
+            self.hello["isolation"]["start"] = self.proc.started_by()
         return Reply(True, self.hello, seconds=time.monotonic() - t0)
 
     def request(self, header: dict[str, Any], tensors: Any = None, timeout: float = 60.0,

@@ -43,6 +43,7 @@ def main() -> None:
     from sandbox.worker import arguments  # torch, the harness: the imports every worker shares
     ap = arguments()
     ap.add_argument("--keep-writable", action="append", default=[])
+    ap.add_argument("--exec-workers", action="store_true", help="each forked worker execs a fresh interpreter")
     args = ap.parse_args()
     import gc
 
@@ -60,9 +61,13 @@ def main() -> None:
                 preload_imports(f.read(), os.path.dirname(path))
         except OSError:
             continue
-    # A CUDA initialised here would be unusable in every forked worker: they start afresh then.
-    mode = "exec (CUDA was initialised in the fork server by a preloaded library)" if torch.cuda.is_initialized() \
-        else "fork"
+    # A CUDA initialised here (or its driver loaded, by a library's import) would be unusable in
+    # every forked worker: they exec a fresh interpreter then, in their own namespaces all the same.
+    with open("/proc/self/maps") as f:
+        driver = "libcuda.so" in f.read()
+    mode = "fork then exec (asked: NIGHTSHIFT_FORK_WORKERS=exec)" if args.exec_workers else \
+        "fork then exec (CUDA initialised in the fork server by a preloaded library)" if torch.cuda.is_initialized() \
+        else "fork then exec (CUDA's driver loaded in the fork server by a preloaded library)" if driver else "fork"
     gc.collect()
     gc.freeze()  # the imported objects stay put: a worker's collections do not copy their pages
     ctl = socket.socket(fileno=args.fd)
@@ -231,7 +236,7 @@ def _worker(req: dict, sock_fd: int, args, mode: str, t0: float) -> int:
     sys.argv = [worker.__file__, *flags]  # as a worker started afresh sees its command line
     args.role, args.memory_gb, args.gpu_memory_fraction = role, memory_gb, fraction
     report = {"parent_death": "its fork server's jail (--die-with-parent); its own pid namespace",
-              "user": user, "network": "empty namespace of its own", "start": "forked from the fork server"}
+              "user": user, "network": "empty namespace of its own"}
     mem = int(memory_gb * (1 << 30)) if memory_gb and args.device == "cpu" else None
     report["limits"] = isolation.limit_resources(mem)
     worker.run(args, report, socket.socket(fileno=sock_fd), {"fork": time.perf_counter() - t0}, preloaded=True)

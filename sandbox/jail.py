@@ -17,6 +17,25 @@ In the jail a worker runs in its own mount, pid, network, IPC and UTS namespaces
   candidate code runs (`isolation.drop_privileges`), with no capabilities left; otherwise it
   runs as the tuner's own, unprivileged, user in a user namespace.
 
+Workers are forked (sandbox/forkserver.py, the default where `forking()` is ''): a fork server per
+configuration starts in this same jail, imports torch, Triton and the harness once, and forks
+each worker with the properties above made again for it alone. Each forked worker has pid, mount,
+IPC, network and UTS namespaces of its own (it sees and signals only its namespace, pid 1 being
+its init; a sibling, the server and the tuner are not there to name), its own /proc, a fresh
+sized tmpfs as its folder and as /dev/shm and its own pty instance, while every other writable
+folder of the jail is remounted read-only for it (nothing a sibling wrote is visible: a poisoned
+Triton or Inductor cache cannot pass between candidates); it drops every capability (bounding and
+ambient sets included), becomes `nobody` as root, and is no_new_privs and non-dumpable before any
+candidate code. What is NOT as with a worker started afresh: the fork server keeps CAP_SYS_ADMIN,
+CAP_NET_ADMIN and CAP_SETPCAP (and as root CAP_SETUID/CAP_SETGID) in its jail, as bubblewrap does
+while it builds one (it runs no candidate code and reads only the tuner's socket, which no worker
+holds); siblings share the server's memory pages copy-on-write (read-only to each, as the shared
+libraries are: a timing side channel between siblings, never a write); and a worker's
+/proc/<pid>/environ shows the server's environment (the worker's own differs only in its marker).
+Where a forked dummy cannot be isolated so (`_fork_probe`: a tuner that is not root, whose
+bubblewrap nests a user namespace in which a new /proc may not be mounted; or
+NIGHTSHIFT_FORK_WORKERS=0), each worker is started afresh as before and `describe()` says why.
+
 Without the jail (user namespaces turned off, not Linux, or `--no-jail`), the worker still gets a
 scrubbed environment, a private temporary folder, its own session and (where the kernel allows)
 an empty network namespace, and `describe()` says plainly what is then NOT isolated; `agent
@@ -155,7 +174,9 @@ def _starts(exe: str) -> str:
 
 
 FORK_ENV = "NIGHTSHIFT_FORK_WORKERS"
-"""0: every jailed worker is started afresh (`python -m sandbox.worker` in a bwrap of its own)."""
+"""0: every jailed worker is started afresh (`python -m sandbox.worker` in a bwrap of its own);
+`exec`: forked into namespaces of its own, each worker then execs a fresh interpreter (for a
+library that cannot live through a fork); unset or 1: forked."""
 FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
 """What a fork server keeps in its jail (with CAP_SETUID/CAP_SETGID as root) to give each worker
 namespaces of its own: mounts, the loopback, the bounding set. No worker keeps any."""

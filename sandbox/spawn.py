@@ -152,7 +152,8 @@ def _fork(cfg: WorkerConfig, kind: str, preload: list[str], where: dict, nice: l
     keep = [p for c in ([cfg.compile_cache_at or cfg.compile_cache] if cfg.compile_cache else [])
             for p in {os.path.abspath(c), os.path.realpath(c)}]
     server = [sys.executable, "-m", "sandbox.forkserver", "--parent", str(os.getpid()), "--device", kind,
-              "--jailed"] + preload + [a for p in keep for a in ("--keep-writable", p)]
+              "--jailed"] + preload + [a for p in keep for a in ("--keep-writable", p)] + \
+        (["--exec-workers"] if os.environ.get(jail.FORK_ENV) == "exec" else [])
     argv = nice + jail.wrap(server, **where, folder_bytes=zygotes.SERVER_FOLDER_BYTES, fork_server=True)[0]
 
     def start(fd: int, folder: str) -> subprocess.Popen:

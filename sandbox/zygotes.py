@@ -125,13 +125,14 @@ class ForkedProc:
         self.zygote, self.status_fd, self.tmpdir = zygote, status_fd, tmpdir
         self.answered, self.pidfd, self._pid, self.returncode = False, None, 0, None
         self.mode, self.cancelled = "", False
+        self.lock = threading.Lock()  # a kill and a poll from two threads: one closes the descriptors
 
     def answer(self, head: dict) -> None:
-        self.answered = True
         fds = head.get("_fds") or []
         if head.get("ok") and len(fds) == 1:
             self.pidfd, self.mode = fds[0], str(head.get("mode", ""))
             self._pid = _host_pid(self.pidfd)
+            self.answered = True  # last: a thread that sees it answered finds the pidfd there
             if self.cancelled:
                 self.kill_all()
             return
@@ -143,6 +144,7 @@ class ForkedProc:
         except OSError:
             pass
         self._ended(-9)
+        self.answered = True
 
     @property
     def pid(self) -> int:
@@ -152,6 +154,10 @@ class ForkedProc:
             self.zygote.settle(self, 10.0)
         return self._pid
 
+    def started_by(self) -> str:
+        """How the server made this worker: forked, or forked then exec'd (CUDA in the server)."""
+        return f"by a fork server ({self.mode or 'no answer yet'})" if self.pid else "by a fork server (no answer)"
+
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
@@ -159,8 +165,9 @@ class ForkedProc:
             self.zygote.settle(self, 0.0)
             if not self.answered:
                 return None
-        if self.pidfd is not None and select.select([self.pidfd], [], [], 0)[0]:
-            self._ended(self._status())
+        with self.lock:
+            if self.pidfd is not None and select.select([self.pidfd], [], [], 0)[0]:
+                self._ended(self._status())
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -168,10 +175,13 @@ class ForkedProc:
         if not self.answered:
             self.zygote.settle(self, 3600.0 if timeout is None else timeout)
         while self.poll() is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0 or self.pidfd is None:
+            left, fd = None if deadline is None else deadline - time.monotonic(), self.pidfd
+            if left is not None and left <= 0 or fd is None:
                 raise subprocess.TimeoutExpired("forked worker", timeout or 0)
-            select.select([self.pidfd], [], [], left)
+            try:
+                select.select([fd], [], [], left)
+            except (OSError, ValueError):  # closed by another thread's poll: the next poll says how it ended
+                pass
         return self.returncode
 
     def kill_all(self, blocking: bool = True) -> None:
@@ -188,8 +198,9 @@ class ForkedProc:
         if not self.answered:
             self.cancelled = True
             return
-        if self.pidfd is not None and self.poll() is None:
-            procs.kill_group(self._pid, pidfd=self.pidfd)
+        with self.lock:
+            if self.pidfd is not None and not select.select([self.pidfd], [], [], 0)[0]:
+                procs.kill_group(self._pid, pidfd=self.pidfd)
 
     def _status(self) -> int:
         """The worker's exit as Popen gives it: the init's report, or SIGKILL where the init was
@@ -230,6 +241,7 @@ def fork(key: tuple, start: Callable[[int, str], subprocess.Popen], header: dict
          tmpdir: str) -> ForkedProc:
     """A worker forked by the fork server of `key`, started now (`start(fd, its folder)`) if none
     is running; `fds`: the worker's socket and log (the status pipe is added here)."""
+    release()  # servers whose handles went without closing them, and no worker alive
     with _LOCK:
         z = _ZYGOTES.get(key)
         if z is not None and (z.ended or z.proc.poll() is not None):
@@ -248,7 +260,7 @@ def fork(key: tuple, start: Callable[[int, str], subprocess.Popen], header: dict
             finally:
                 theirs.close()
             z = _ZYGOTES[key] = Zygote(key, proc, ours, folder)
-    return z.request(header, fds, tmpdir)
+        return z.request(header, fds, tmpdir)  # under the lock: a server is never idle between its start and this
 
 
 def attach(handle: object, proc: object) -> None:

@@ -77,6 +77,13 @@ def test_forked_workers_are_isolated_as_the_jail_says(two_runners):
         pages_k = -(-jail.folder_bytes(6) // 4096) * 4  # the size asked for, in whole pages
         assert f"size={pages_k}k" in sizes[jail.WORKDIR] and f"size={pages_k}k" in sizes["/dev/shm"]
     first, _ = procs.pid_namespace(server)
+    # The server's socket to the tuner (what asks it to fork) reaches none of a worker's processes.
+    zygote = procs.children(first)[0]
+    theirs = {os.readlink(f"/proc/{zygote}/fd/{fd}") for fd in os.listdir(f"/proc/{zygote}/fd")}
+    for w in workers:
+        for pid in w.members() | {w.proc.pid}:
+            held = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            assert not {h for h in held & theirs if h.startswith("socket:")}, (pid, held & theirs)
     for kind in ("pid", "mnt", "net", "ipc", "uts"):
         seen = {os.readlink(f"/proc/{pid}/ns/{kind}") for pid in pids}
         assert len(seen) == 3 and os.readlink(f"/proc/{first}/ns/{kind}") not in seen, kind
@@ -243,6 +250,25 @@ def test_the_exec_path_stays_where_forking_is_off_or_cannot_isolate(monkeypatch)
         assert w.start().ok and isinstance(w.proc, subprocess.Popen)
     finally:
         w.close()
+
+
+@FORKS
+def test_forked_then_execd_workers_keep_the_namespaces(frozen_run, monkeypatch):
+    """NIGHTSHIFT_FORK_WORKERS=exec (what a server does by itself where a preloaded library
+    initialised CUDA): forked into namespaces of their own, then a fresh interpreter."""
+    monkeypatch.setenv(jail.FORK_ENV, "exec")
+    r = TrialRunner("cpu", LIMITS, WorkerConfig(device="cpu", memory_gb=6))
+    try:
+        r.add_problem(frozen_run / "LlamaRMSNorm")
+        hostile = (HOSTILE / "signals_everything.py").read_text()
+        assert r.run(Candidate(region="LlamaRMSNorm", source=hostile), do_time=False).status is Status.ok
+        assert "fork then exec" in r.worker.hello["isolation"]["start"]
+        pid = _the_worker(r.worker)
+        assert "sandbox.worker" in Path(f"/proc/{pid}/cmdline").read_text()
+        assert sorted(int(p) for p in os.listdir(f"/proc/{pid}/root/proc") if p.isdigit()) == [1, 2]
+        assert int(_status(pid)["CapEff"][0], 16) == 0 and _status(pid)["NoNewPrivs"] == ["1"]
+    finally:
+        r.close()
 
 
 @pytest.mark.skipif(jail.describe().kind != "bubblewrap", reason="the hostile candidates run only jailed")
