@@ -286,7 +286,13 @@ def release(handle: object | None = None) -> int:
 def stop_all() -> int:
     """Kill every fork server, and so every worker forked from one; takes no lock (a signal's
     handler may have interrupted a thread holding one)."""
-    servers = list(_ZYGOTES.values())
+    servers: list[Zygote] = []
+    for _ in range(3):  # read without the lock: a thread that held it may be adding one
+        try:
+            servers = list(_ZYGOTES.values())
+            break
+        except RuntimeError:
+            continue
     for z in servers:
         z.ended = z.ended or "stopped"
         procs.kill_group(z.proc.pid)

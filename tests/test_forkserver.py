@@ -68,10 +68,10 @@ def test_forked_workers_are_isolated_as_the_jail_says(two_runners):
         assert os.stat(f"/proc/{pid}/environ").st_uid == 0 != int(st["Uid"][0])  # non-dumpable: root's files
         # What the worker sees as /proc: its own namespace only (its init and itself).
         assert sorted(int(p) for p in os.listdir(f"/proc/{pid}/root/proc") if p.isdigit()) == [1, 2]
-        writable = {line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
-                    if "rw" in line.split()[5].split(",") and os.path.isdir(f"/proc/{pid}/root{line.split()[4]}")}
-        assert writable <= {jail.WORKDIR, "/dev/shm", "/dev/pts", "/proc"}, writable
-        sizes = {line.split()[4]: line.split(" - ")[1] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
+        mounts = [line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+        writable = {m[4] for m in mounts if "rw" in m[5].split(",") and os.path.isdir(f"/proc/{pid}/root{m[4]}")}
+        assert writable <= {jail.WORKDIR, "/dev/shm", "/dev/pts", "/proc"}, writable  # all its own
+        sizes = {m[4]: " ".join(m[m.index("-") + 1:]) for m in mounts}
         limits = Path(f"/proc/{pid}/limits").read_text()
         assert re.search(rf"Max address space\s+{6 << 30}\s", limits) and re.search(r"Max core file size\s+0\s", limits)
         pages_k = -(-jail.folder_bytes(6) // 4096) * 4  # the size asked for, in whole pages
