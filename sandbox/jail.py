@@ -235,7 +235,10 @@ def describe() -> Isolation:
             "network: empty network namespace", f"user: {who}, no capabilities",
             "environment: rebuilt from an allow-list (no keys or tokens)", _starts_line()],
             ["the GPU: sibling workers share the device (timings are taken under a device lock)",
-             "world-readable files outside the hidden folders can be read"], f"bwrap: {bwrap_path()}")
+             "world-readable files outside the hidden folders can be read"]
+            + ([] if forking() else ["memory pages: workers forked from one fork server share its pages copy-on-write "
+                                     "(a write copies; a timing side channel between siblings, as shared libraries "
+                                     "are)"]), f"bwrap: {bwrap_path()}")
     return Isolation("none", ["environment: rebuilt from an allow-list (no keys or tokens)",
                               "network: an empty network namespace where the kernel allows one"],
                      ["filesystem: the worker runs as the tuner's user and can read and write what it can, "
