@@ -17,24 +17,19 @@ In the jail a worker runs in its own mount, pid, network, IPC and UTS namespaces
   candidate code runs (`isolation.drop_privileges`), with no capabilities left; otherwise it
   runs as the tuner's own, unprivileged, user in a user namespace.
 
-Workers are forked (sandbox/forkserver.py, the default where `forking()` is ''): a fork server per
-configuration starts in this same jail, imports torch, Triton and the harness once, and forks
-each worker with the properties above made again for it alone. Each forked worker has pid, mount,
-IPC, network and UTS namespaces of its own (it sees and signals only its namespace, pid 1 being
-its init; a sibling, the server and the tuner are not there to name), its own /proc, a fresh
-sized tmpfs as its folder and as /dev/shm and its own pty instance, while every other writable
-folder of the jail is remounted read-only for it (nothing a sibling wrote is visible: a poisoned
-Triton or Inductor cache cannot pass between candidates); it drops every capability (bounding and
-ambient sets included), becomes `nobody` as root, and is no_new_privs and non-dumpable before any
-candidate code. What is NOT as with a worker started afresh: the fork server keeps CAP_SYS_ADMIN,
-CAP_NET_ADMIN and CAP_SETPCAP (and as root CAP_SETUID/CAP_SETGID) in its jail, as bubblewrap does
-while it builds one (it runs no candidate code and reads only the tuner's socket, which no worker
-holds); siblings share the server's memory pages copy-on-write (read-only to each, as the shared
-libraries are: a timing side channel between siblings, never a write); and a worker's
-/proc/<pid>/environ shows the server's environment (the worker's own differs only in its marker).
-Where a forked dummy cannot be isolated so (`_fork_probe`: a tuner that is not root, whose
-bubblewrap nests a user namespace in which a new /proc may not be mounted; or
-NIGHTSHIFT_FORK_WORKERS=0), each worker is started afresh as before and `describe()` says why.
+Workers are forked (sandbox/forkserver.py) where `forking()` is '': a fork server per configuration
+starts in this same jail, imports torch, Triton and the harness once, and forks each worker with
+the properties above made again for it alone: pid, mount, IPC, network, UTS (and, where the kernel
+allows, user) namespaces of its own, its own /proc, a fresh sized tmpfs as its folder and /dev/shm,
+every other writable folder of the jail read-only (no sibling reads a poisoned Triton or Inductor
+cache), no capability in any set, `nobody` as root, no_new_privs, non-dumpable. NOT as with a
+fresh start: the fork server keeps CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP (and CAP_SETUID/GID as
+root) in its jail, as bubblewrap does while it builds one (it runs no candidate code and reads
+only the tuner's socket, which no worker holds); siblings share its pages copy-on-write; a
+worker's /proc/<pid>/environ shows the server's environment. Where a forked dummy cannot be
+isolated so (`_fork_probe`; a tuner that is not root: its bubblewrap nests a user namespace in
+which no new /proc may be mounted) or NIGHTSHIFT_FORK_WORKERS=0, workers start afresh, and
+`describe()` says why. Workers started afresh share their user's kernel keyring.
 
 Without the jail (user namespaces turned off, not Linux, or `--no-jail`), the worker still gets a
 scrubbed environment, a private temporary folder, its own session and (where the kernel allows)
@@ -190,13 +185,13 @@ def forking() -> str:
     why = bwrap_works()
     if why:
         return f"no jail ({why})"
-    return _fork_probe(bwrap_path() or "bwrap", os.geteuid())
+    return _fork_probe(bwrap_path() or "bwrap", os.geteuid())[0]
 
 
 @functools.cache
-def _fork_probe(exe: str, euid: int) -> str:
-    """'' if a dummy forked in a fork server's jail gets namespaces, mounts and a user of its own
-    here (tried once per process, binary and user), else why not."""
+def _fork_probe(exe: str, euid: int) -> tuple[str, str]:
+    """('' if a dummy forked in a fork server's jail gets namespaces, mounts and a user of its own
+    here, else why not; what the dummy said of itself), tried once per process, binary and user."""
     weak, strong = hidden_paths([])
     argv = jail_argv([sys.executable, "-m", "sandbox.forkserver", "--probe"], weak=weak, strong=strong,
                      visible=python_paths(), gpu=False, fork_server=True)
@@ -205,11 +200,9 @@ def _fork_probe(exe: str, euid: int) -> str:
     try:
         done = subprocess.run(argv, capture_output=True, timeout=60, env=env, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"the fork server's probe did not run: {e}"
-    if done.returncode != 0:
-        text = (done.stdout + done.stderr).decode(errors="replace").strip()
-        return f"a forked worker could not be isolated here: {text[-300:]}"
-    return ""
+        return f"the fork server's probe did not run: {e}", ""
+    text = (done.stdout + done.stderr).decode(errors="replace").strip()
+    return ("" if done.returncode == 0 else f"a forked worker could not be isolated here: {text[-300:]}"), text
 
 
 def refusal(planners: list[str] | tuple[str, ...], what: str) -> str:
@@ -236,14 +229,23 @@ def describe() -> Isolation:
             "environment: rebuilt from an allow-list (no keys or tokens)", _starts_line()],
             ["the GPU: sibling workers share the device (timings are taken under a device lock)",
              "world-readable files outside the hidden folders can be read"]
-            + ([] if forking() else ["memory pages: workers forked from one fork server share its pages copy-on-write "
-                                     "(a write copies; a timing side channel between siblings, as shared libraries "
-                                     "are)"]), f"bwrap: {bwrap_path()}")
+            + _forking_gaps(), f"bwrap: {bwrap_path()}")
     return Isolation("none", ["environment: rebuilt from an allow-list (no keys or tokens)",
                               "network: an empty network namespace where the kernel allows one"],
                      ["filesystem: the worker runs as the tuner's user and can read and write what it can, "
                       "run folders included", "processes: a candidate can signal the tuner and start processes "
                       "that outlive its trial", "user: same user as the tuner"], why)
+
+
+def _forking_gaps() -> list[str]:
+    """What workers of one tuner share here, by how they start: forked, the fork server's pages;
+    where no user namespace of its own could be had, or started afresh, their user's keyring."""
+    keyring = ("the kernel keyring: workers share their user's keyring (a key one adds, a sibling can read)")
+    if forking():
+        return [keyring]
+    pages = ("memory pages: workers forked from one fork server share its pages copy-on-write (a write copies; a "
+             "timing side channel between siblings, as shared libraries are)")
+    return [pages] + ([] if "keyring: its own" in _fork_probe(bwrap_path() or "bwrap", os.geteuid())[1] else [keyring])
 
 
 def _starts_line() -> str:

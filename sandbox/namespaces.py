@@ -22,7 +22,7 @@ import socket
 import struct
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
@@ -159,28 +159,52 @@ def _last_cap() -> int:
         return 40
 
 
-def drop_to_worker(uid: int = NOBODY, gid: int = NOBODY) -> str:
-    """The worker's part, before any candidate code: no capability left in any set (bounding and
-    ambient included), `nobody` when it is root, no_new_privs, non-dumpable (no sibling's ptrace or
-    /proc/<pid>/mem, should one ever name it). What it became, as the worker's hello reports it."""
+def _drop_bounding_set() -> None:
     for cap in range(_last_cap() + 1):
         if prctl(PR_CAPBSET_DROP, cap) != 0 and ctypes.get_errno() != 22:  # EINVAL: no such cap here
             raise SetupError(f"dropping capability {cap} from the bounding set: errno {ctypes.get_errno()}")
+
+
+def _own_user_namespace() -> str:
+    """A user namespace mapping only this user onto itself: what it buys is a keyring of its own
+    (the kernel keeps a user's keyring per user namespace; `nobody`'s is otherwise one for every
+    worker, a place a sibling could read). Where the kernel refuses unprivileged user namespaces,
+    that keyring stays shared, as it is for a worker started afresh, and the hello says so."""
+    uid, gid = os.getuid(), os.getgid()
+    prctl(PR_SET_DUMPABLE, 1)  # its own /proc/self/*_map are root's while it is not dumpable
+    if _libc.unshare(CLONE_NEWUSER) != 0:
+        return f"keyring: shared with other processes of uid {uid} (no user namespace: errno {ctypes.get_errno()})"
+    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
+                       ("/proc/self/gid_map", f"{gid} {gid} 1")):
+        with open(path, "w") as f:
+            f.write(text)
+    _drop_bounding_set()  # a new user namespace gives every capability again, within it: gone below
+    return "keyring: its own (a user namespace mapping only its user)"
+
+
+def drop_to_worker(uid: int = NOBODY, gid: int = NOBODY, own_keyring: bool = True) -> str:
+    """The worker's part, before any candidate code: no capability left in any set (bounding and
+    ambient included), `nobody` when it is root, no_new_privs, non-dumpable (no sibling's ptrace or
+    /proc/<pid>/mem, should one ever name it), and a keyring of its own where the kernel allows
+    (`_own_user_namespace`). What it became, as the worker's hello reports it."""
+    _drop_bounding_set()
     _check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL), "clearing ambient capabilities")
     root = os.geteuid() == 0
     if root:
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+    keyring = _own_user_namespace() if own_keyring else "keyring: shared with other processes of its user"
     data = (_CapData * 2)()
     _check(_libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), data), "capset")
+    _check(prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL), "clearing ambient capabilities")
     _check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
     _check(prctl(PR_SET_DUMPABLE, 0), "non-dumpable")
     caps = capabilities()
     if any(caps.values()) or (root and 0 in (os.getuid(), os.geteuid(), os.getgid(), os.getegid())):
         raise SetupError(f"privileges left after the drop: uid {os.getuid()}, capabilities {caps}")
     who = f"unprivileged user nobody (uid {uid})" if root else f"unprivileged user (uid {os.geteuid()})"
-    return f"{who}, no capabilities, no_new_privs, non-dumpable"
+    return f"{who}, no capabilities, no_new_privs, non-dumpable; {keyring}"
 
 
 def capabilities() -> dict[str, int]:

@@ -90,7 +90,7 @@ def test_forked_workers_are_isolated_as_the_jail_says(two_runners):
 
 
 POISON_CHECK = '''
-import ctypes, os, socket
+import ctypes, os, platform, socket
 PLACES = ["..", "/tmp", "/dev/shm", "/var/tmp", "/run", "/dev", os.path.expanduser("~"),
           os.path.expanduser("~/.triton/cache"), os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/x"),
           os.environ.get("TRITON_CACHE_DIR", "/tmp/triton")]
@@ -105,6 +105,9 @@ except OSError:
     pass
 if ctypes.CDLL("librt.so.1").mq_open(b"/poison_{marker}", 0) >= 0:
     found.append("message queue")
+keyctl = {"x86_64": 250, "aarch64": 219}.get(platform.machine())
+if keyctl and ctypes.CDLL(None).syscall(keyctl, 10, ctypes.c_long(-4), b"user", b"poison_{marker}", 0) >= 0:
+    found.append("a key in its user's keyring")  # KEYCTL_SEARCH of KEY_SPEC_USER_KEYRING
 
 
 def forward(module, x):
@@ -243,7 +246,7 @@ def test_the_exec_path_stays_where_forking_is_off_or_cannot_isolate(monkeypatch)
     monkeypatch.setenv(jail.FORK_ENV, "1")
     if jail.describe().kind != "bubblewrap":
         return
-    monkeypatch.setattr(jail, "_fork_probe", lambda exe, euid: "a forked worker could not be isolated here: x")
+    monkeypatch.setattr(jail, "_fork_probe", lambda exe, euid: ("a forked worker could not be isolated here: x", ""))
     assert "started afresh (fork server not used: a forked worker could not be isolated" in jail.describe().isolated[-1]
     w = Worker(WorkerConfig(device="cpu"))
     try:
