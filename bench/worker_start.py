@@ -1,7 +1,7 @@
 """A sandbox worker's start before and after the fork server, on this machine: wall seconds to
 the worker's hello and the CPU seconds its processes spent to get there, median of N starts.
 
-    python bench/worker_start.py [--n=10] [--device=cpu]
+    python bench/worker_start.py [--n=10] [--device=cpu] [--role=candidate|reference]
 
 Rows:
 - exec: `NIGHTSHIFT_FORK_WORKERS=0`, bubblewrap and a fresh interpreter that imports torch (the
@@ -83,7 +83,8 @@ def row(name: str, samples: list[tuple[float, float, float]]) -> str:
 def main() -> None:
     n = int(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--n=")), 10))
     device = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--device=")), "cpu")
-    cfg = WorkerConfig(device=device)
+    role = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--role=")), "candidate")
+    cfg = WorkerConfig(device=device, role=role)
     if jail.describe().kind != "bubblewrap":
         raise SystemExit(f"no jail here: {jail.describe().note}")
     os.environ[jail.FORK_ENV] = "0"
@@ -97,7 +98,7 @@ def main() -> None:
     warm = [one(cfg) for _ in range(n)]
     keeper.close()
     load = os.getloadavg()
-    print(f"worker start on {os.cpu_count()} CPUs, device {device}, Python {sys.version.split()[0]}, "
+    print(f"{role} worker start on {os.cpu_count()} CPUs, device {device}, Python {sys.version.split()[0]}, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("| start | wall to hello, s (median) | CPU s (median) | of which the fork server's | starts |")
     print("|---|---|---|---|---|")

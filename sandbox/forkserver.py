@@ -1,7 +1,7 @@
 """The fork server: one per worker configuration, started in the jail exactly as a worker is
 (sandbox/jail.py, the same bubblewrap command line but for the capabilities below), that imports
-torch, Triton and the harness once and then forks a worker for each request of the tuner
-(sandbox/zygotes.py is the tuner's side).
+torch and the harness once (Triton before its first candidate worker) and then forks a worker for
+each request of the tuner (sandbox/zygotes.py is the tuner's side).
 
     python -m sandbox.forkserver --fd N --parent PID --device cpu|cuda --jailed [--preload F] [--keep-writable P]
 
@@ -50,10 +50,6 @@ def main() -> None:
     import torch
     import torch.utils.deterministic  # noqa: F401
     from sandbox import protocol
-    try:
-        import triton  # noqa: F401
-    except Exception:  # the worker reports it as unavailable
-        pass
     from tools.modelfile import preload_imports
     for path in args.preload:
         try:
@@ -68,10 +64,21 @@ def main() -> None:
     mode = "fork then exec (asked: NIGHTSHIFT_FORK_WORKERS=exec)" if args.exec_workers else \
         "fork then exec (CUDA initialised in the fork server by a preloaded library)" if torch.cuda.is_initialized() \
         else "fork then exec (CUDA's driver loaded in the fork server by a preloaded library)" if driver else "fork"
-    gc.collect()
     gc.freeze()  # the imported objects stay put: a worker's collections do not copy their pages
     ctl = socket.socket(fileno=args.fd)
     serve(ctl, args, mode, protocol)
+
+
+def _import_triton() -> None:
+    """Triton, before the first candidate worker's fork (a reference worker runs no kernel of
+    ours: a server that forks only those never pays its import, as a reference worker never did)."""
+    if "triton" not in sys.modules:
+        import gc
+        try:
+            import triton  # noqa: F401
+        except Exception:  # the worker reports it as unavailable
+            pass
+        gc.freeze()
 
 
 def serve(ctl: socket.socket, args, mode: str, protocol) -> None:
@@ -89,6 +96,8 @@ def serve(ctl: socket.socket, args, mode: str, protocol) -> None:
             for fd in fds:
                 os.close(fd)
             return
+        if req.get("role") == "candidate" and mode == "fork":
+            _import_triton()
         reply, pidfd = fork_worker(req, fds, ctl, args, mode)
         for fd in fds:
             os.close(fd)
