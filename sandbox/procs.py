@@ -17,8 +17,11 @@ def kill_group(pid: int, timeout: float = 10.0, pidfd: int | None = None) -> Non
     of the jail is left. Killing bubblewrap alone left the jail to its parent-death signal, and it
     outlived the tuner's exit. With `pidfd` (a process the tuner did not start, so whose pid it
     cannot hold), that process is signalled through it instead of its group."""
-    if pid <= 0:
-        return  # never killpg(0): that is the tuner's own group
+    if pid <= 0:  # never killpg(0): that is the tuner's own group
+        if pidfd is not None:  # a process whose pid could not be read: its namespace dies with it
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return
     first, ns = pid_namespace(pid)
     fd = None
     if first:

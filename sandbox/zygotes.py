@@ -74,8 +74,12 @@ class Zygote:
         try:
             deadline = time.monotonic() + timeout
             while not target.answered and self.waiting:
-                if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    if self.proc.poll() is not None:
+                try:
+                    ready = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]
+                except (OSError, ValueError):  # its socket closed: the server was ended
+                    ready = []
+                if not ready:
+                    if self.proc.poll() is not None or self.sock.fileno() < 0:
                         self.fail(f"the fork server ended ({self.proc.returncode})")
                     return
                 try:
