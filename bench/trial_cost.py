@@ -15,7 +15,8 @@ the runner records per trial (`Trial.phases`):
     start           both workers started and every problem registered (once per worker); of which:
       start.worker    the candidate worker's process to its hello (a spare started ahead: what was
                       left of that), of which, in the worker's own account:
-        .imports      importing torch and the harness
+        .imports      importing torch and the harness (a worker started afresh)
+        .fork         its fork from the configuration's fork server (a forked worker: no imports)
         .setup        dropping privileges and the network, resource limits
         .device       initialising the device (CUDA: its context, the memory cap)
         .triton       importing Triton
@@ -69,7 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 OWN = "def forward(module, *args, **kwargs):\n    return type(module).forward(module, *args, **kwargs)\n"
-PHASES = ["start", "start.worker", "start.worker.imports", "start.worker.setup", "start.worker.device",
+PHASES = ["start", "start.worker", "start.worker.imports", "start.worker.fork", "start.worker.setup", "start.worker.device",
           "start.worker.triton", "start.register", "start.register.files", "start.register.import", "start.register.build", "load",
           "lock_wait", "refs", "verify", "verify_outputs", "judge", "time", "time.warmup", "time.runs", "time.draw",
           "time.copy", "time.spot", "time.integrity", "time.control", "spot_judge",

@@ -23,8 +23,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from sandbox import procs, protocol
-from sandbox.spawn import _SPAWNED, _SPAWNER, Reply, WorkerConfig, _adopt, _launch, drop_spares, prestart  # noqa: F401
+from sandbox import procs, protocol, zygotes
+from sandbox.spawn import (_SPAWNED, _SPAWNER, Reply, WorkerConfig, _adopt, _launch, drop_spares,  # noqa: F401
+                           kill_process, prestart)
 
 ROOT = Path(__file__).resolve().parent.parent
 _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
@@ -37,6 +38,8 @@ def stop_all(from_signal: bool = False) -> int:
     handler, which may have interrupted this very thread inside the spawner's or the spares'
     lock: nothing then waits for a lock (a SIGTERM during a worker's start hung the tuner on
     the spawner's), and a start under way is left to the exit's own stop_all."""
+    # Fork servers first: killing one ends every worker it forked, and takes no lock.
+    zygotes.stop_all()
     killed = drop_spares(blocking=not from_signal)
     for w in list(_LIVE):
         try:
@@ -63,7 +66,7 @@ atexit.register(stop_all)
 class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | zygotes.ForkedProc | None = None
         self.sock: socket.socket | None = None
         self.hello: dict[str, Any] = {}
         self.tmpdir: str | None = None
@@ -91,10 +94,12 @@ class Worker:
         self.proc, self.sock, self.tmpdir, self.marker, self.isolation = (got.proc, got.sock, got.tmpdir,
                                                                           got.marker, got.isolation)
         _LIVE.add(self)
+        zygotes.attach(self, self.proc)
         self.starts += 1
         try:
             self.hello, _ = protocol.recv(self.sock, cfg.start_timeout)
         except (protocol.ChannelTimeout, protocol.ChannelClosed) as e:
+            self.proc.poll()  # a fork server that failed writes why into the worker's log
             tail = self.log_tail()
             self.kill()
             return Reply(False, status="crash", error=f"worker did not start: {e}\n{tail}")
@@ -103,6 +108,8 @@ class Worker:
             self.kill()
             return Reply(False, status="crash", error=f"{self.hello.get('error', 'worker refused to start')}\n{tail}")
         self.hello["isolation"] = {**self.hello.get("isolation", {}), "jail": self.isolation}
+        if isinstance(self.proc, zygotes.ForkedProc):  # forked, or (CUDA in the server) forked then exec'd
+            self.hello["isolation"]["start"] = self.proc.started_by()
         return Reply(True, self.hello, seconds=time.monotonic() - t0)
 
     def request(self, header: dict[str, Any], tensors: Any = None, timeout: float = 60.0,
@@ -237,7 +244,7 @@ class Worker:
         proc = self.proc
         if proc is not None:
             stray = self.members() if self.isolation.get("kind") != "bubblewrap" else set()
-            procs.kill_group(proc.pid)
+            kill_process(proc)
             for pid in stray - {os.getpid()}:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -266,6 +273,7 @@ class Worker:
             except (protocol.ChannelClosed, subprocess.TimeoutExpired):
                 pass
         self.kill()
+        zygotes.release(self)  # its fork server ends once no open handle uses it
 
 
 def _readable(sock: socket.socket, seconds: float) -> bool:

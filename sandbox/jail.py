@@ -17,6 +17,20 @@ In the jail a worker runs in its own mount, pid, network, IPC and UTS namespaces
   candidate code runs (`isolation.drop_privileges`), with no capabilities left; otherwise it
   runs as the tuner's own, unprivileged, user in a user namespace.
 
+Workers are forked (sandbox/forkserver.py) where `forking()` is '': a fork server per configuration
+starts in this same jail, imports torch, Triton and the harness once, and forks each worker with
+the properties above made again for it alone: pid, mount, IPC, network, UTS (and, where the kernel
+allows, user) namespaces of its own, its own /proc, a fresh sized tmpfs as its folder and /dev/shm,
+every other writable folder of the jail read-only (no sibling reads a poisoned Triton or Inductor
+cache), no capability in any set, `nobody` as root, no_new_privs, non-dumpable. NOT as with a
+fresh start: the fork server keeps CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP (and CAP_SETUID/GID as
+root) in its jail, as bubblewrap does while it builds one (it runs no candidate code and reads
+only the tuner's socket, which no worker holds); siblings share its pages copy-on-write; a
+worker's /proc/<pid>/environ shows the server's environment. Where a forked dummy cannot be
+isolated so (`_fork_probe`; a tuner that is not root: its bubblewrap nests a user namespace in
+which no new /proc may be mounted) or NIGHTSHIFT_FORK_WORKERS=0, workers start afresh, and
+`describe()` says why. Workers started afresh share their user's kernel keyring.
+
 Without the jail (user namespaces turned off, not Linux, or `--no-jail`), the worker still gets a
 scrubbed environment, a private temporary folder, its own session and (where the kernel allows)
 an empty network namespace, and `describe()` says plainly what is then NOT isolated; `agent
@@ -166,6 +180,43 @@ def _starts(exe: str) -> str:
     return ""
 
 
+FORK_ENV = "NIGHTSHIFT_FORK_WORKERS"
+"""0: every jailed worker is started afresh (`python -m sandbox.worker` in a bwrap of its own);
+`exec`: forked into namespaces of its own, each worker then execs a fresh interpreter (for a
+library that cannot live through a fork); unset or 1: forked."""
+FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
+"""What a fork server keeps in its jail (with CAP_SETUID/CAP_SETGID as root) to give each worker
+namespaces of its own: mounts, the loopback, the bounding set. No worker keeps any."""
+
+
+def forking() -> str:
+    """'' if jailed workers are forked from a fork server here (sandbox/forkserver.py); else why
+    each starts afresh: turned off, no jail, or a forked dummy that could not be isolated."""
+    if os.environ.get(FORK_ENV, "1") == "0":
+        return f"turned off ({FORK_ENV}=0)"
+    why = bwrap_works()
+    if why:
+        return f"no jail ({why})"
+    return _fork_probe(bwrap_path() or "bwrap", os.geteuid())[0]
+
+
+@functools.cache
+def _fork_probe(exe: str, euid: int) -> tuple[str, str]:
+    """('' if a dummy forked in a fork server's jail gets namespaces, mounts and a user of its own
+    here, else why not; what the dummy said of itself), tried once per process, binary and user."""
+    weak, strong = hidden_paths([])
+    argv = jail_argv([sys.executable, "-m", "sandbox.forkserver", "--probe"], weak=weak, strong=strong,
+                     visible=python_paths(), gpu=False, fork_server=True)
+    argv[0] = exe
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=60, env=env, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the fork server's probe did not run: {e}", ""
+    text = (done.stdout + done.stderr).decode(errors="replace").strip()
+    return ("" if done.returncode == 0 else f"a forked worker could not be isolated here: {text[-300:]}"), text
+
+
 def refusal(planners: list[str] | tuple[str, ...], what: str) -> str:
     """'' if candidates of these planners may run now; else why not, as one line to show the user.
     Candidates the project did not write run only jailed, or where the user said `--no-jail`."""
@@ -187,14 +238,36 @@ def describe() -> Isolation:
             "filesystem: host root read-only; HOME, /root, /home, /tmp, /run, run folders and .git hidden",
             "processes: own pid namespace (cannot signal the tuner; its children die with it)",
             "network: empty network namespace", f"user: {who}, no capabilities",
-            "environment: rebuilt from an allow-list (no keys or tokens)"],
+            "environment: rebuilt from an allow-list (no keys or tokens)", _starts_line()],
             ["the GPU: sibling workers share the device (timings are taken under a device lock)",
-             "world-readable files outside the hidden folders can be read"], f"bwrap: {bwrap_path()}")
+             "world-readable files outside the hidden folders can be read"]
+            + _forking_gaps(), f"bwrap: {bwrap_path()}")
     return Isolation("none", ["environment: rebuilt from an allow-list (no keys or tokens)",
                               "network: an empty network namespace where the kernel allows one"],
                      ["filesystem: the worker runs as the tuner's user and can read and write what it can, "
                       "run folders included", "processes: a candidate can signal the tuner and start processes "
                       "that outlive its trial", "user: same user as the tuner"], why)
+
+
+def _forking_gaps() -> list[str]:
+    """What workers of one tuner share here, by how they start: forked, the fork server's pages;
+    where no user namespace of its own could be had, or started afresh, their user's keyring."""
+    keyring = ("the kernel keyring: workers share their user's keyring (a key one adds, a sibling can read)")
+    if forking():
+        return [keyring]
+    pages = ("memory pages: workers forked from one fork server share its pages copy-on-write (a write copies; a "
+             "timing side channel between siblings, as shared libraries are)")
+    return [pages] + ([] if "keyring: its own" in _fork_probe(bwrap_path() or "bwrap", os.geteuid())[1] else [keyring])
+
+
+def _starts_line() -> str:
+    why = forking()
+    if why:
+        return f"starts: each worker in a bubblewrap jail of its own, started afresh (fork server not used: {why})"
+    return ("starts: forked from a fork server per configuration (torch imported once), each worker in pid, "
+            "mount, IPC, network and UTS namespaces of its own with its own tmpfs folder, /dev/shm and /proc, "
+            "every other folder of the jail read-only; the fork server holds " + ", ".join(FORK_SERVER_CAPS)
+            + " in its jail and runs no candidate code")
 
 
 def hidden_paths(strong: list[Path]) -> tuple[list[str], list[str]]:
@@ -276,11 +349,14 @@ def _bind_back(argv: list[str], path: str, hidden: list[str], made: set[str], wr
 
 
 def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: list[str], gpu: bool,
-              keep: list[str] = (), writable: list[tuple[str, str]] = (), folder_bytes: int | None = None) -> list[str]:
+              keep: list[str] = (), writable: list[tuple[str, str]] = (), folder_bytes: int | None = None,
+              fork_server: bool = False) -> list[str]:
     """The bwrap command line that runs `cmd` in the jail described in the module docstring.
     `keep`: folders (the model's) visible even inside a strongly hidden one. `writable`: (folder,
     path inside) pairs, mounted read-write there even inside a hidden folder (a compile cache).
-    `folder_bytes`: the size of the tmpfs that holds the worker's own folder (where bwrap can)."""
+    `folder_bytes`: the size of the tmpfs that holds the worker's own folder (where bwrap can).
+    `fork_server`: the same jail for a fork server, which keeps what it needs to give each worker
+    it forks namespaces of its own (FORK_SERVER_CAPS; every worker drops them all)."""
     visible = sorted({os.path.realpath(v) for v in visible if os.path.exists(v)})
     weak = [w for w in weak if w not in visible] + ([] if "/tmp" in weak else ["/tmp"])  # the workdir's tmpfs
     argv = [bwrap_path() or "bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
@@ -309,19 +385,21 @@ def jail_argv(cmd: list[str], *, weak: list[str], strong: list[str], visible: li
             argv += ["--dev-bind", dev, dev]
     argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
              "--die-with-parent", "--new-session", "--chdir", WORKDIR]
+    server = [a for c in FORK_SERVER_CAPS for a in ("--cap-add", c)] if fork_server else []
     if os.geteuid() == 0:
         # Root outside: no user namespace; the worker keeps only the right to drop to `nobody`.
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] + server
     else:
-        argv += ["--unshare-user"]
+        argv += ["--unshare-user"] + server  # capabilities in the jail's own user namespace only
     return argv + ["--"] + cmd
 
 
 def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool,
-         writable: list[tuple[str, str]] = (), folder_bytes: int | None = None) -> tuple[list[str], Isolation, str]:
+         writable: list[tuple[str, str]] = (), folder_bytes: int | None = None,
+         fork_server: bool = False) -> tuple[list[str], Isolation, str]:
     """(argv, isolation, cwd inside) for a worker command: jailed with bubblewrap when it works.
     `hide`: run folders (and any other folder) the worker must never see; `writable`: folders
-    it may write (jail_argv)."""
+    it may write (jail_argv); `fork_server`: the command is a fork server (jail_argv)."""
     iso = describe()
     if iso.kind != "bubblewrap":
         return cmd, iso, ""
@@ -329,4 +407,4 @@ def wrap(cmd: list[str], *, hide: list[Path], model_files: list[Path], gpu: bool
     weak, strong = hidden_paths([Path(h) for h in hide] + [Path(d) for d in model_dirs])
     strong = [s for s in strong if s not in model_dirs]
     return (jail_argv(cmd, weak=weak, strong=strong, visible=python_paths() + model_dirs, gpu=gpu, keep=model_dirs,
-                      writable=list(writable), folder_bytes=folder_bytes), iso, WORKDIR)
+                      writable=list(writable), folder_bytes=folder_bytes, fork_server=fork_server), iso, WORKDIR)

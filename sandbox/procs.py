@@ -10,11 +10,18 @@ import signal
 from pathlib import Path
 
 
-def kill_group(pid: int, timeout: float = 10.0) -> None:
+def kill_group(pid: int, timeout: float = 10.0, pidfd: int | None = None) -> None:
     """SIGKILL the process group of `pid` and, where `pid` made a pid namespace (bubblewrap's
-    jail), that namespace's first process, then wait until it has ended: the kernel ends every
-    other process of a namespace before its first one, so none of the jail is left. Killing
-    bubblewrap alone left the jail to its parent-death signal, and it outlived the tuner's exit."""
+    jail, a forked worker's setup process), that namespace's first process, then wait until it
+    has ended: the kernel ends every other process of a namespace before its first one, so none
+    of the jail is left. Killing bubblewrap alone left the jail to its parent-death signal, and it
+    outlived the tuner's exit. With `pidfd` (a process the tuner did not start, so whose pid it
+    cannot hold), that process is signalled through it instead of its group."""
+    if pid <= 0:  # never killpg(0): that is the tuner's own group
+        if pidfd is not None:  # a process whose pid could not be read: its namespace dies with it
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return
     first, ns = pid_namespace(pid)
     fd = None
     if first:
@@ -23,8 +30,12 @@ def kill_group(pid: int, timeout: float = 10.0) -> None:
         if fd is not None and readlink(f"/proc/{first}/ns/pid") != ns:  # ended, its pid taken again
             os.close(fd)
             fd = None
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    if pidfd is not None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
     if fd is None:
         return
     try:

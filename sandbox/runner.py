@@ -69,7 +69,7 @@ class LoadedProblem:
 REGISTER_PARTS = ("files", "import", "build")
 """What a problem's registration in a worker spent: loading its inputs and state, importing the
 model file (once per file), building the region on the device."""
-HELLO_PARTS = ("imports", "setup", "device", "triton")
+HELLO_PARTS = ("imports", "fork", "setup", "device", "triton")
 """What a worker's start spent before its hello: importing torch and the harness, isolating
 itself, initialising the device, importing Triton."""
 

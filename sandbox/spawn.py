@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandbox import jail, procs
+from sandbox import jail, procs, zygotes
 from sandbox.isolation import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,8 +88,8 @@ class WorkerConfig:
 
 @dataclass
 class _Launched:
-    """A worker process started, its hello not yet read."""
-    proc: subprocess.Popen
+    """A worker process started (or forked), its hello not yet read."""
+    proc: "subprocess.Popen | zygotes.ForkedProc"
     sock: socket.socket
     tmpdir: str
     marker: str
@@ -102,13 +102,13 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
     # The tuner's side of the worker's files (its log). Inside the jail the worker has a
     # tmpfs of its own; without a jail this folder is its working folder too.
     tmpdir = tempfile.mkdtemp(prefix="nightshift-worker-")
+    preload = [a for m in cfg.model_files for a in ("--preload", m)]
     cmd = [sys.executable, "-m", "sandbox.worker", "--parent", str(os.getpid()), "--device", kind,
            "--role", cfg.role, "--memory-gb", str(cfg.memory_gb),
-           "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)] + [a for m in cfg.model_files for a in ("--preload", m)]
-    argv, iso, inside = jail.wrap(cmd, hide=[Path(h) for h in cfg.hide],
-                                  model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda",
-                                  writable=[(cfg.compile_cache, cfg.compile_cache_at or cfg.compile_cache)]
-                                  if cfg.compile_cache else [], folder_bytes=jail.folder_bytes(cfg.memory_gb))
+           "--gpu-memory-fraction", str(cfg.gpu_memory_fraction)] + preload
+    where = dict(hide=[Path(h) for h in cfg.hide], model_files=[Path(m) for m in cfg.model_files], gpu=kind == "cuda",
+                 writable=[(cfg.compile_cache, cfg.compile_cache_at or cfg.compile_cache)] if cfg.compile_cache else [])
+    argv, iso, inside = jail.wrap(cmd, **where, folder_bytes=jail.folder_bytes(cfg.memory_gb))
     if cfg.role == "candidate" and iso.kind != "bubblewrap" and os.environ.get("NIGHTSHIFT_REQUIRE_JAIL") == "1":
         shutil.rmtree(tmpdir, ignore_errors=True)
         return Reply(False, status="crash", error=f"NIGHTSHIFT_REQUIRE_JAIL=1 and no jail: {iso.note}")
@@ -122,17 +122,19 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
         env["TORCHINDUCTOR_CACHE_DIR"] = (cfg.compile_cache_at or cfg.compile_cache) if inside else cfg.compile_cache
     if cfg.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(cfg.compile_threads)
-    if cfg.nice > 0 and (nice := shutil.which("nice")):  # the jail's process too, and all they start
-        argv = [nice, "-n", str(cfg.nice), *argv]
+    nice = [shutil.which("nice") or "nice", "-n", str(cfg.nice)] if cfg.nice > 0 and shutil.which("nice") else []
+    # (the jail's processes and all they start run under `nice`, the fork server's too)
     marker = secrets.token_hex(8)
-    env["NIGHTSHIFT_WORKER"] = marker
     parent_sock, child_sock = socket.socketpair()
-    argv = argv + ["--fd", str(child_sock.fileno())] + (["--jailed"] if inside else [])
     log = open(os.path.join(tmpdir, "stdout.log"), "wb")
     try:
-        proc = _SPAWNER.submit(_spawn, argv, env=env, cwd=tmpdir, pass_fds=(child_sock.fileno(),),
-                               start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
-                               stderr=subprocess.STDOUT).result()
+        if inside and not jail.forking():
+            proc = _fork(cfg, kind, preload, where, nice, env, marker, [child_sock.fileno(), log.fileno()], tmpdir)
+        else:
+            argv = nice + argv + ["--fd", str(child_sock.fileno())] + (["--jailed"] if inside else [])
+            proc = _SPAWNER.submit(_spawn, argv, env={**env, "NIGHTSHIFT_WORKER": marker}, cwd=tmpdir,
+                                   pass_fds=(child_sock.fileno(),), start_new_session=True, stdin=subprocess.DEVNULL,
+                                   stdout=log, stderr=subprocess.STDOUT).result()
     except OSError as e:
         parent_sock.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -141,6 +143,35 @@ def _launch(cfg: WorkerConfig) -> "_Launched | Reply":
         log.close()
         child_sock.close()
     return _Launched(proc, parent_sock, tmpdir, marker, iso.as_dict(), cfg.device)
+
+
+def _fork(cfg: WorkerConfig, kind: str, preload: list[str], where: dict, nice: list[str], env: dict[str, str],
+          marker: str, fds: list[int], tmpdir: str) -> zygotes.ForkedProc:
+    """A worker forked by the fork server of its configuration (sandbox/forkserver.py): the same
+    jail, the same environment (the key: what either is made of), started now if none runs."""
+    keep = [p for c in ([cfg.compile_cache_at or cfg.compile_cache] if cfg.compile_cache else [])
+            for p in {os.path.abspath(c), os.path.realpath(c)}]
+    server = [sys.executable, "-m", "sandbox.forkserver", "--parent", str(os.getpid()), "--device", kind,
+              "--jailed"] + preload + [a for p in keep for a in ("--keep-writable", p)] + \
+        (["--exec-workers"] if os.environ.get(jail.FORK_ENV) == "exec" else [])
+    argv = nice + jail.wrap(server, **where, folder_bytes=zygotes.SERVER_FOLDER_BYTES, fork_server=True)[0]
+
+    def start(fd: int, folder: str) -> subprocess.Popen:
+        with open(os.path.join(folder, "stdout.log"), "wb") as log:
+            return _SPAWNER.submit(_spawn, argv + ["--fd", str(fd)], env={**env, "NIGHTSHIFT_WORKER": "fork-server"},
+                                   cwd=folder, pass_fds=(fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+                                   stdout=log, stderr=subprocess.STDOUT).result()
+    header = {"role": cfg.role, "memory_gb": cfg.memory_gb, "gpu_memory_fraction": cfg.gpu_memory_fraction,
+              "marker": marker, "folder_bytes": jail.folder_bytes(cfg.memory_gb)}
+    return zygotes.fork((tuple(argv), tuple(sorted(env.items()))), start, header, fds, tmpdir)
+
+
+def kill_process(proc: "subprocess.Popen | zygotes.ForkedProc") -> None:
+    """Kill a worker's process and every process of its jail (procs.kill_group)."""
+    if isinstance(proc, zygotes.ForkedProc):
+        proc.kill_all()
+    else:
+        procs.kill_group(proc.pid)
 
 
 _SPARES: dict[tuple, list[_Launched]] = {}
@@ -205,11 +236,13 @@ def drop_spares(blocking: bool = True) -> int:
         _SPARES_LOCK.release()
     for s in spares:
         _end(s)
+    if blocking:
+        zygotes.release()  # a fork server started for spares alone ends with them
     return len(spares)
 
 
 def _end(spare: _Launched) -> None:
-    procs.kill_group(spare.proc.pid)
+    kill_process(spare.proc)
     with contextlib.suppress(subprocess.TimeoutExpired):
         spare.proc.wait(timeout=10)
     spare.sock.close()

@@ -435,7 +435,8 @@ def load_fd(fd: int) -> Any:
     return got
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The worker's command line (the fork server takes the same: sandbox/forkserver.py)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--parent", type=int, required=True)
@@ -445,13 +446,25 @@ def main() -> None:
     ap.add_argument("--memory-gb", type=float, default=0)
     ap.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     ap.add_argument("--preload", action="append", default=[], help="a model file whose library imports to load early")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = arguments().parse_args()
     report = {"parent_death": "bubblewrap (--die-with-parent)" if args.jailed else isolation.die_with_parent(args.parent),
               "user": isolation.drop_privileges() if args.jailed else "same user as the tuner",
               "network": "empty namespace (bubblewrap)" if args.jailed else isolation.drop_network()}
     mem = int(args.memory_gb * (1 << 30)) if args.memory_gb and args.device == "cpu" else None
     report["limits"] = isolation.limit_resources(mem)
-    sock = socket.socket(fileno=args.fd)
+    run(args, report, socket.socket(fileno=args.fd), {"imports": _T_IMPORTED - _T_STARTED})
+
+
+def run(args: argparse.Namespace, report: dict, sock: socket.socket, parts: dict[str, float],
+        preloaded: bool = False) -> None:
+    """The worker from its imports on: the device, the hello, then requests until told to exit.
+    `parts`: seconds already spent (the imports; a forked worker's fork); `preloaded`: the model
+    file's libraries are imported already (the fork server did it)."""
+    t_setup = time.perf_counter()
     import torch
     import torch.utils.deterministic  # noqa: F401
     t_torch = time.perf_counter()
@@ -482,14 +495,14 @@ def main() -> None:
     except Exception as e:
         hello["triton"] = f"unavailable ({e})"
     # Where a start's seconds go, in the worker's own account (the tuner adds what it saw).
-    hello["parts"] = {"imports": _T_IMPORTED - _T_STARTED, "setup": t_torch - _T_IMPORTED, "device": t_device - t_torch,
+    hello["parts"] = {**parts, "setup": t_torch - t_setup, "device": t_device - t_torch,
                       "triton": time.perf_counter() - t_device}
     worker = Worker(sock, args.device, args.role)
     protocol.send(sock, {**hello, "ok": True})
     # The model file's libraries (transformers: seconds) load now, before any request: in a
     # worker started ahead of the search that is while the model is still being frozen.
     from tools.modelfile import preload_imports
-    for path in args.preload:
+    for path in [] if preloaded else args.preload:
         try:
             with open(path, encoding="utf-8") as f:
                 source = f.read()

@@ -406,9 +406,10 @@ def test_worker_environment_is_scrubbed():
 
 
 def _workers_of(pid: int) -> list[int]:
-    """Sandbox workers a tuner process started (their command line names it as --parent)."""
-    mark = f"sandbox.worker\0--parent\0{pid}\0".encode()
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).find(mark) >= 0]
+    """Sandbox workers a tuner process started (their command line names it as --parent), and
+    fork servers and the workers they forked (which keep the server's command line)."""
+    marks = [f"sandbox.{m}\0--parent\0{pid}\0".encode() for m in ("worker", "forkserver")]
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and any(m in _cmdline(p) for m in marks)]
 
 
 def _cmdline(pid: str) -> bytes:
