@@ -158,6 +158,18 @@ def trials_in(run: Path | None) -> int:
         db.close()
 
 
+def best_template(run: Path | None) -> str | None:
+    """The template of the run's fastest passing trial (`torch_compile`: torch.compile of the region)."""
+    if run is None or not (run / "trials.sqlite").is_file():
+        return None
+    db = sqlite3.connect(f"file:{run / 'trials.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        row = db.execute("SELECT template FROM trials WHERE status = 'ok' ORDER BY speedup DESC LIMIT 1").fetchone()
+        return row[0] if row else None
+    finally:
+        db.close()
+
+
 def store_ok(run: Path | None) -> bool:
     if run is None or not (run / "trials.sqlite").is_file():
         return True  # nothing was recorded (a profile stopped before its run folder was kept)
@@ -237,7 +249,7 @@ def finish(tuner: Tuner, run: Path | None, held: int, label: str, expect: int = 
     said = resumed in text or (kept and resumed in _read(run / "log.txt").rstrip().rpartition("\n")[2])
     return {"path": label + (" (terminal)" if tuner.tty else ""), "code": code, "expected": code == expect,
             "no_resume_line": kept and not said,
-            "compile_winner": "(torch_compile," in text,
+            "compile_winner": best_template(run) == "torch_compile",
             "abort": code == -signal.SIGABRT or "terminate called" in text, "traceback": "Traceback" in text,
             "after_resume_line": after.strip()[:200], "orphans": len(orphans),
             "store_ok": store_ok(run) and trials_in(run) >= held, "log": str(tuner.log)}
