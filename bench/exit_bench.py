@@ -6,8 +6,11 @@
 A race at the interpreter's exit shows in one run of dozens, so each exit path runs `--repeats`
 times, on the CPU, as a real `agent tune` process:
 
-- finished: a fresh tune of tests/models/pointwise_chain.py with the compiler planner and one
-  candidate, integration included: its winner is torch.compile of the region. Exit 0.
+- finished: a tune of tests/models/pointwise_chain.py with the compiler planner and one candidate
+  that ends on its own, integration and the report included: its winner is torch.compile of the
+  region. The first is a fresh tune; the others resume it (its candidate cap is reached at once,
+  so each goes straight to integrating the compile winner), which spares them the profile and
+  the trial's compile (minutes on two loaded cores), not the end they all share. Exit 0.
 - interrupted: a fresh tune of tests/models/tiny_rmsnorm.py, stopped in one phase (profiling,
   the search after its first trial, integration) by one way (Ctrl-C, SIGTERM, a hangup, Ctrl-C
   twice), taken in turn. Exit 130.
@@ -155,6 +158,18 @@ def trials_in(run: Path | None) -> int:
         db.close()
 
 
+def best_template(run: Path | None) -> str | None:
+    """The template of the run's fastest passing trial (`torch_compile`: torch.compile of the region)."""
+    if run is None or not (run / "trials.sqlite").is_file():
+        return None
+    db = sqlite3.connect(f"file:{run / 'trials.sqlite'}?mode=ro", uri=True, timeout=10)
+    try:
+        row = db.execute("SELECT template FROM trials WHERE status = 'ok' ORDER BY speedup DESC LIMIT 1").fetchone()
+        return row[0] if row else None
+    finally:
+        db.close()
+
+
 def store_ok(run: Path | None) -> bool:
     if run is None or not (run / "trials.sqlite").is_file():
         return True  # nothing was recorded (a profile stopped before its run folder was kept)
@@ -234,16 +249,17 @@ def finish(tuner: Tuner, run: Path | None, held: int, label: str, expect: int = 
     said = resumed in text or (kept and resumed in _read(run / "log.txt").rstrip().rpartition("\n")[2])
     return {"path": label + (" (terminal)" if tuner.tty else ""), "code": code, "expected": code == expect,
             "no_resume_line": kept and not said,
-            "compile_winner": "(torch_compile," in text,
+            "compile_winner": best_template(run) == "torch_compile",
             "abort": code == -signal.SIGABRT or "terminate called" in text, "traceback": "Traceback" in text,
             "after_resume_line": after.strip()[:200], "orphans": len(orphans),
             "store_ok": store_ok(run) and trials_in(run) >= held, "log": str(tuner.log)}
 
 
-def finished(cmd: list[str], work: Path, i: int) -> dict:
-    tuner = Tuner(cmd, ["tune", "--model", POINTWISE, "--runs-dir", work / "runs", "--planner", "compiler",
-                        "--max-candidates", 1, "--devices", "cpu"], work / "out.txt", tty=i % 2 == 1)
-    return finish(tuner, None, 0, "finished", expect=0)
+def finished(cmd: list[str], work: Path, i: int, base: Path | None) -> dict:
+    args = ["--resume", base] if base else ["--model", POINTWISE, "--runs-dir", work / "runs", "--planner", "compiler",
+                                            "--max-candidates", 1, "--devices", "cpu"]
+    tuner = Tuner(cmd, ["tune", *args], work / "out.txt", tty=i % 2 == 1)
+    return finish(tuner, base, trials_in(base), "finished" + (" (resumed)" if base else ""), expect=0)
 
 
 def interrupted(cmd: list[str], work: Path, i: int) -> dict:
@@ -313,13 +329,14 @@ def main() -> None:
     cmd = launcher(args.entry)
     rows: list[dict] = []
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  entry {args.entry}: {' '.join(cmd[1:])}; out: {out}", flush=True)
-    resumed_run = None
+    resumed_run = finished_run = None
     for path in args.paths.split(","):
         for i in range(args.repeats):
             work = out / path / f"{i:03d}"
             work.mkdir(parents=True, exist_ok=True)
             if path == "finished":
-                row = finished(cmd, work, i)
+                row = finished(cmd, work, i, finished_run)
+                finished_run = finished_run or newest_run(work / "runs")
             elif path == "interrupted":
                 row = interrupted(cmd, work, i)
             else:
@@ -335,7 +352,7 @@ def main() -> None:
                   + (f"  ({row['log']})" if bad else ""), flush=True)
     print(f"\n{'exit path':<12} {'runs':>4}  {'exit statuses':<22} abort  traceback  orphans  store lost  "
           "no resume line  printed after it")
-    for label in dict.fromkeys(re.sub(r":.*", "", r["path"]) for r in rows):
+    for label in dict.fromkeys(re.sub(r"[: ].*", "", r["path"]) for r in rows):
         group = [r for r in rows if r["path"].startswith(label)]
         codes = ", ".join(f"{c}×{n}" for c, n in sorted(Counter(str(r["code"]) for r in group).items()))
         print(f"{label:<12} {len(group):>4}  {codes:<22} {sum(r['abort'] for r in group):>5}  "
