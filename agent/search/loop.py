@@ -77,10 +77,9 @@ def tune(run: RunFolder, problems: list[Problem], planner: Planner, executor: Ex
          retime: bool = False) -> Outcome:
     """Until a stop rule fires. The planner is asked again whenever fewer jobs wait than there
     are lanes, so a lane never waits while a planner (an LLM, say) thinks; it sees every
-    result finished by then, and the jobs queued or running as tried. `screen`: a verified
-    candidate clearly slower than its region's best so far is not timed in full (off unless asked:
-    the command turns it on for GPU timings only). `retime`: each
-    region's finalists are timed again at the end, in room the budget holds back for them."""
+    result finished by then, and the jobs queued or running as tried. `screen`: a verified candidate
+    clearly slower than its region's best so far is not timed in full (off unless asked: the command
+    turns it on for GPU timings only). `retime`: each region's finalists are timed again at the end."""
     store = run.store()
     bars = Bars(screen)
 
