@@ -109,3 +109,26 @@ def test_a_problem_without_a_traced_call_is_a_class_of_its_own(base):
     assert class_key(untraced) is None
     classes = group([("a", base), ("b", untraced)])
     assert len(classes) == 2 and classes[1].key == "own:b/LlamaNorm"
+
+
+HF = {"hf_llama": "Llama", "hf_qwen2": "Qwen2", "hf_mistral": "Mistral"}
+
+
+def test_transformers_norms_and_mlps_match_across_llama_qwen2_and_mistral_and_their_attentions_do_not(tmp_path):
+    """transformers copies its RMSNorm and MLP into each model file under the model's name: one
+    class each across the three. Qwen2's attention has biases and Mistral's passes a sliding window:
+    each attention is a class of its own."""
+    import warnings
+    entries = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' config chatter
+        for stem, prefix in HF.items():
+            loaded = load_model(ROOT / "tests" / "problems" / f"{stem}.py", "cpu")
+            choices = [RegionChoice(f"{prefix}{part}") for part in ("RMSNorm", "MLP", "Attention")]
+            problems, skipped = freeze(loaded, choices, tmp_path / stem / "problems", torch.device("cpu"))
+            assert not skipped, skipped
+            entries += [(stem, p) for p in problems]
+    classes = {tuple(f"{m.model}/{m.region}" for m in c.members) for c in group(entries)}
+    assert ("hf_llama/LlamaRMSNorm", "hf_qwen2/Qwen2RMSNorm", "hf_mistral/MistralRMSNorm") in classes
+    assert ("hf_llama/LlamaMLP", "hf_qwen2/Qwen2MLP", "hf_mistral/MistralMLP") in classes
+    assert {("hf_llama/LlamaAttention",), ("hf_qwen2/Qwen2Attention",), ("hf_mistral/MistralAttention",)} <= classes
