@@ -19,6 +19,7 @@ import pytest
 from agent.errors import UserError
 from agent.flags import model_files, model_weights
 from agent.planners.shared import CLASS_WINNER
+from tools.trial import Candidate
 from tools.corpus import CorpusFolder
 from tools.runfolder import RunFolder
 
@@ -135,3 +136,78 @@ def test_a_corpus_with_a_missing_file_or_an_unknown_weight_is_refused_before_any
                               timeout=120)
         assert done.returncode == 2 and said in done.stderr, done.stderr
         assert not runs.exists() or not any(runs.iterdir())
+
+
+# -- the class planner and the budget's split, without a search --------------------------------
+class _Search:
+    name = "template"
+
+    def propose(self, problem, history, n):
+        return [Candidate(region=problem.name, source=f"# own search of {problem.name}", planner=self.name)]
+
+
+def test_the_class_planner_verifies_a_leaders_winners_then_searches_a_member_they_all_failed_on(tmp_path):
+    from types import SimpleNamespace
+
+    from agent.history import History
+    from agent.planners.shared import ClassPlanner, Shared
+    from tools.trial import Status, Trial
+    winners = [Candidate(region="Lead", source=f"# winner {i}", planner="template", template="rmsnorm")
+               for i in range(2)]
+    planner = ClassPlanner(_Search(), {"Copy": Shared("a/Lead", winners=winners)}, tmp_path)
+    lead, copy = SimpleNamespace(name="Lead"), SimpleNamespace(name="Copy")
+    history = History({"Lead": ["cpu"], "Copy": ["cpu"]})
+    assert [c.source for c in planner.propose(lead, history, 4)] == ["# own search of Lead"]
+    first = planner.propose(copy, history, 4)
+    assert [c.source for c in first] == ["# winner 0", "# winner 1"]
+    assert all(c.region == "Copy" and c.params[CLASS_WINNER] == "a/Lead" and c.template == "rmsnorm" for c in first)
+
+    def tried(c, status):
+        history.add(Trial(region="Copy", candidate_hash=c.hash, status=status, generation="cpu",
+                          speedup=1.2 if status is Status.ok else None))
+    tried(first[0], Status.wrong)
+    assert [c.source for c in planner.propose(copy, history, 4)] == ["# winner 1"]
+    passed = History({"Copy": ["cpu"]})
+    passed.records, passed.trials = dict(history.records), list(history.trials)
+    tried(first[1], Status.wrong)  # every winner failed here: the member is searched on its own
+    assert planner.state(copy, history)[0] == "search"
+    assert [c.source for c in planner.propose(copy, history, 4)] == ["# own search of Copy"]
+    passed.add(Trial(region="Copy", candidate_hash=first[1].hash, status=Status.ok, generation="cpu", speedup=1.1))
+    assert planner.state(copy, passed)[0] == "shared" and planner.propose(copy, passed, 4) == []
+    nothing = ClassPlanner(_Search(), {"Copy": Shared("a/Lead")}, tmp_path)  # the leader found no winner
+    assert nothing.state(copy, History())[0] == "no winner" and nothing.propose(copy, History(), 4) == []
+
+
+def test_the_budget_is_split_by_class_time_and_the_corpus_cap_holds(tmp_path):
+    from agent.search import corpus
+    from tools.corpus import ClassRecord, CorpusInfo, CorpusModel
+    from tools.problem import Problem, StopRule, Tolerance, Workload
+
+    def problem(name: str, ms: float) -> Problem:
+        return Problem(name=name, region_class=name, region_path="x", region_source="", model_file="m.py",
+                       model_hash="h", device="cpu", tolerance=Tolerance(value=1e-4),
+                       workloads=[Workload(name="w", baseline_ms=ms)])
+
+    class Run:  # what the split reads of a run: its problems and its store
+        def __init__(self, *problems):
+            self.list = list(problems)
+
+        def problems(self):
+            return self.list
+
+        def check_store(self):
+            return False
+
+    runs = {"a": Run(problem("Norm", 1.0), problem("Attn", 6.0)), "b": Run(problem("Norm2", 1.0)),
+            "c": Run(problem("Mlp", 2.0))}
+    info = CorpusInfo(corpus_id="c", models=[CorpusModel(name=n, file=f"{n}.py", state="frozen") for n in "abc"])
+    info.classes = [ClassRecord(key="n", members=[("a", "Norm"), ("b", "Norm2")], share=0.2),
+                    ClassRecord(key="t", members=[("a", "Attn")], share=0.6),
+                    ClassRecord(key="m", members=[("c", "Mlp")], share=0.2)]
+    rule = StopRule(gpu_hours=1.0, max_candidates=100)
+    caps = {n: corpus.model_rule(info, n, runs, rule) for n in "abc"}
+    assert abs(sum(c.gpu_hours for c in caps.values()) - 1.0) < 1e-9  # the whole cap, never more
+    assert abs(caps["a"].gpu_hours - 0.85 * 0.8) < 1e-9  # the leader of norms and attention, less the reserve
+    assert abs(caps["b"].gpu_hours - 0.15) < 1e-9  # the only member: all of the reserve
+    assert caps["b"].max_candidates == 15 + 3  # its share, plus the leader's winners to verify
+    assert corpus.unique_names(["m", "n", "m"]) == ["m", "n", "m-2"]
