@@ -136,6 +136,10 @@ def test_a_corpus_with_a_missing_file_or_an_unknown_weight_is_refused_before_any
                               timeout=120)
         assert done.returncode == 2 and said in done.stderr, done.stderr
         assert not runs.exists() or not any(runs.iterdir())
+    profiled = subprocess.run([sys.executable, "-m", "agent", "profile", "--model", str(CORPUS[0]), "--model",
+                               str(CORPUS[1]), "--runs-dir", str(runs)], cwd=ROOT, env=ENV, capture_output=True,
+                              text=True, timeout=120)  # one model: a second is never silently dropped
+    assert profiled.returncode == 2 and "takes one --model" in profiled.stderr
 
 
 # -- the class planner and the budget's split, without a search --------------------------------

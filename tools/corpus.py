@@ -20,7 +20,6 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from tools import strict_json
-from tools.classes import Member, ProblemClass
 from tools.problem import ProblemError
 from tools.runfolder import RunFolder, RunLock, check_runs_dir
 
@@ -50,9 +49,6 @@ class ClassRecord(BaseModel):
     """(model, region), the leader first."""
     share: float = 0.0
     """Its part of the corpus's frozen time (weighted by model)."""
-
-    def as_class(self) -> ProblemClass:
-        return ProblemClass(self.key, [Member(m, r) for m, r in self.members])
 
 
 class CorpusInfo(BaseModel):

@@ -58,7 +58,7 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="Machine-readable
 
 @app.command()
 @_guard
-def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelBench convention)."),
+def profile(models: list[Path] = typer.Option(..., "--model", help="Model file (KernelBench convention)."),
             device: str = typer.Option("auto", help="cuda, cuda:N or cpu (auto: cuda if present)."),
             workload: Optional[str] = typer.Option(None, help="Profile one named workload only."),
             workloads: Optional[Path] = typer.Option(None, "--workloads", help=TRACE_HELP),
@@ -75,6 +75,9 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Profile a model, print its hotspots, and freeze the top regions as problems."""
+    if len(models) > 1:  # never a model silently dropped
+        _fail(f"agent profile takes one --model (given {len(models)}); agent tune --model A --model B tunes several")
+    model = models[0]
     _stdout_for_json(json_out)
     from agent.flags import check_freeze_flags
     check_freeze_flags(model, runs_dir, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
