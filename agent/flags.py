@@ -70,3 +70,40 @@ def check_freeze_flags(model: Path, runs_dir: Path, *, tolerance: str | None = N
     check_model_path(model)
     check_runs_dir(runs_dir)
     return flags
+
+
+def model_files(given: list[Path], folder: Path | None) -> list[Path]:
+    """The model files of `agent tune`: each --model, then every model file in --models DIR (its
+    *.py, not a package's __init__ or a module `agent apply` wrote). A file named twice is an
+    error, never a model silently dropped or tuned twice."""
+    files = list(given)
+    if folder is not None:
+        if not folder.is_dir():
+            raise UserError(f"--models {folder}: not a folder of model files")
+        found = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_")
+                       and not p.stem.endswith("_nightshift"))
+        if not found:
+            raise UserError(f"--models {folder}: no model files (*.py) in it")
+        files += found
+    seen: set[Path] = set()
+    for f in files:
+        key = f.resolve()
+        if key in seen:
+            raise UserError(f"--model {f}: given twice; each model file once")
+        seen.add(key)
+    return files
+
+
+def model_weights(given: list[str]) -> dict[str, float]:
+    """--model-weight NAME=W, each W finite and positive."""
+    out = {}
+    for text in given:
+        name, _, value = text.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not name.strip() or not math.isfinite(weight) or weight <= 0:
+            raise UserError(f"--model-weight {text!r}: give NAME=W with W a positive number (NAME: the file's stem)")
+        out[name.strip()] = weight
+    return out

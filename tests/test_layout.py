@@ -157,9 +157,9 @@ def test_agent_files_stay_short():
 LONG_FUNCTION = 80
 """Lines (def to last line) at which a function is split where a name would explain a part."""
 STILL_LONG = {
-    "agent/cli/session.py:_search_and_review": 93,
+    "agent/cli/session.py:search_and_review": 88,
     "agent/search/loop.py:tune": 139,
-    "agent/search/tuning.py:run_tune": 100,
+    "agent/search/tuning.py:run_tune": 86,
     "agent/setup/jobs.py:profile_and_freeze": 90,
     "sandbox/verify_runs.py:run": 95,
     "tools/capture.py:_freeze_one": 128,

@@ -135,3 +135,23 @@ def test_transformers_regions_are_the_attention_mlp_and_norm(frozen):
     assert attn.graph["arguments"]["kw:position_embeddings"] == "position_embeddings"
     assert attn.graph["rope"]["cos"] == "input:position_embeddings[0]"
     assert attn.graph["returns"] == "(T,N)"
+
+
+def test_the_set_is_one_corpus_whose_shared_classes_span_the_files_that_copy_code(frozen):
+    """Every frozen problem of the set in one corpus (tools/classes.py): transformers' MLP, copied
+    into the Llama, Qwen2 and Mistral files (and Qwen3's) under other names, is one class; no class holds two
+    regions that differ in parameters or workload shapes, and no KernelBench file's region (each
+    its own code) shares a class with another file's."""
+    from tools.classes import class_key, group
+    results, _, _ = frozen
+    entries = [(stem, p) for stem, (_, problems, _) in results.items() for p in problems]
+    problems = {(stem, p.name): p for stem, p in entries}
+    classes = group(entries)
+    spans = {tuple(sorted(m.model for m in c.members)) for c in classes if len(c.members) > 1}
+    assert any({"hf_llama", "hf_mistral", "hf_qwen2"} <= set(files) for files in spans), spans
+    for c in classes:
+        members = [problems[(m.model, m.region)] for m in c.members]
+        assert len({repr([(t.name, t.shape, t.dtype) for t in p.parameters]) for p in members}) == 1
+        assert len({repr(sorted(repr((w.inputs, w.outputs)) for w in p.workloads)) for p in members}) == 1
+        assert len({class_key(p) for p in members}) == 1
+        assert not any(m.model.startswith("l") for m in c.members) or len(c.members) == 1, c

@@ -164,6 +164,14 @@ def trace(region: torch.nn.Module, args: list, kwargs: dict, names: dict[str, st
     return tracer.nodes
 
 
+def computes(nodes: list[dict]) -> str:
+    """A digest of the traced call: every op in order with its operands' origins and shapes and its
+    plain arguments (an eps, a scale, a dim), whatever the code's names. Two regions with one digest
+    ran the same ops on the same kinds of operands; corpus runs match regions on it (tools/classes.py)."""
+    import hashlib
+    return hashlib.sha256(repr(nodes).encode()).hexdigest()[:16]
+
+
 # -- derived facts -------------------------------------------------------------------------
 def _operands(node: dict) -> list[dict]:
     flat = []
@@ -374,7 +382,7 @@ def region_facts(region: torch.nn.Module, input_set: dict, structure: str,
     facts.update(matmuls=mms, attention=attention_facts(nodes, mms), rope=rope_facts(nodes, mms),
                  norm_weights=_products(nodes, mms)[2],
                  ops=[{"op": n["op"], "in": [r["from"] for r in _operands(n)]} for n in nodes[:MAX_OPS]],
-                 op_count=len(nodes))
+                 op_count=len(nodes), computes=computes(nodes))
     for a in mms:  # the next matmul fed by this one, and the activation on the way
         b = next((b for b in mms if b["op"] > a["op"] and a["op"] in ancestors(nodes, b["op"])), None)
         a["feeds"] = b["weight"] if b else None

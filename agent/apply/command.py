@@ -26,6 +26,7 @@ from agent.apply.patch import model_unchanged, patched_lines, unified_patch
 from agent.apply.winners import NOT_FASTER, Winner, load_integration, select_winners
 from agent.errors import UserError
 from tools.problem import Problem
+from tools.corpus import CorpusFolder, is_corpus
 from tools.runfolder import RunFolder
 
 KERNELS_SUFFIX = "_nightshift"
@@ -165,6 +166,11 @@ def _write(path: Path, content: str) -> None:
 
 def apply_run(run_path: Path, regions: list[str] | None = None, dry_run: bool = False,
               allow_slower: bool = False) -> ApplyResult:
+    if is_corpus(run_path):  # each model of a corpus has its own run, winners and patch
+        runs = CorpusFolder.open(run_path).runs()
+        raise UserError(f"{run_path} is a corpus: apply each model's run, e.g. "
+                        + "; ".join(f"agent apply {run.path} --dry-run" for run in runs.values())
+                        if runs else f"{run_path} is a corpus whose models were not frozen yet: nothing to apply")
     run = RunFolder.open(run_path)
     info = run.info()
     model = Path(info.model_file)

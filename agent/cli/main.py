@@ -8,72 +8,24 @@ box); 130 interrupted (Ctrl-C, SIGTERM or SIGHUP: a clean stop, the report writt
 
 from __future__ import annotations
 
-import sqlite3
 import sys
-from functools import wraps
 from pathlib import Path
 from typing import Optional
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
 
-from agent.flags import BASELINES, parse_compile_modes
+from agent.cli.lines import PLAIN, err, fail as _fail, guard as _guard, out, say as _say
+from agent.flags import BASELINES, model_files, model_weights, parse_compile_modes
 from agent.json_stdout import claim as _stdout_for_json, emit as _emit_json
+from tools.corpus import CorpusFolder, is_corpus
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="nightshift: overnight, accuracy-gated search for faster GPU kernels.")
-out = Console(width=None if sys.stdout.isatty() else 150)
-err = Console(stderr=True)
-PLAIN = {"markup": False, "highlight": False, "soft_wrap": True}
-
-
-def _fail(message: str, code: int = 2) -> None:
-    err.print(f"error: {' '.join(message.split())}", **PLAIN)  # one line, however long
-    raise typer.Exit(code)
-
-
-def _say(text: str) -> None:
-    out.print(text, **PLAIN)
 
 
 TRACE_HELP = ("A request trace (JSON Lines: arrival_s, prompt_tokens, output_tokens, shared_prefix_tokens): "
               "its requests grouped into named shapes, weighted by what each costs the trace, replace the "
               "model's own workloads (needs make_workload() in the model file; see tools/traffic.py).")
-
-
-def _guard(fn):
-    """Turn the library's user-facing errors into one line and exit code 2."""
-    @wraps(fn)
-    def wrapper(*args, **kwargs):
-        from agent.errors import UserError, os_error_line
-        from tools.modelfile import ModelFileError
-        from tools.problem import ProblemError
-        from tools.store import StoreError
-        try:
-            return fn(*args, **kwargs)
-        except (UserError, ModelFileError, ProblemError, StoreError) as e:
-            _fail(str(e))
-        except ValidationError as e:
-            _fail("; ".join(_validation_text(x) for x in e.errors()))
-        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (agent/search/signals.py)
-            from agent.search.signals import stopping
-            from sandbox.client import stop_all
-            stopping()
-            stop_all()  # what a start under way was launching goes too, before the exit line
-            _fail(f"interrupted ({str(e) or 'Ctrl-C'}); nothing half-made was kept", 130)
-        except OSError as e:  # the file system said no: name the file, not the line of code
-            _fail(os_error_line(e))
-        except sqlite3.Error as e:
-            _fail(f"the run's store: {e}")
-    return wrapper
-
-
-def _validation_text(error: dict) -> str:
-    """Our validators already name the field; pydantic's own messages do not."""
-    msg = error["msg"].removeprefix("Value error, ")
-    field = ".".join(map(str, error["loc"]))
-    return msg if field and msg.startswith(field) else f"{field}: {msg}"
 
 
 COMPILE_MODES_HELP = (f"The torch.compile modes to compare against ({', '.join(BASELINES)}; comma-separated, "
@@ -106,7 +58,7 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="Machine-readable
 
 @app.command()
 @_guard
-def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelBench convention)."),
+def profile(models: list[Path] = typer.Option(..., "--model", help="Model file (KernelBench convention)."),
             device: str = typer.Option("auto", help="cuda, cuda:N or cpu (auto: cuda if present)."),
             workload: Optional[str] = typer.Option(None, help="Profile one named workload only."),
             workloads: Optional[Path] = typer.Option(None, "--workloads", help=TRACE_HELP),
@@ -123,6 +75,9 @@ def profile(model: Path = typer.Option(..., "--model", help="Model file (KernelB
             torch_table: bool = typer.Option(False, help="Also print torch.profiler's own table."),
             json_out: bool = typer.Option(False, "--json", help="Machine-readable output.")):
     """Profile a model, print its hotspots, and freeze the top regions as problems."""
+    if len(models) > 1:  # never a model silently dropped
+        _fail(f"agent profile takes one --model (given {len(models)}); agent tune --model A --model B tunes several")
+    model = models[0]
     _stdout_for_json(json_out)
     from agent.flags import check_freeze_flags
     check_freeze_flags(model, runs_dir, tolerance=tolerance, e2e_tolerance=e2e_tolerance,
@@ -174,7 +129,11 @@ def try_(target: Path = typer.Argument(..., help="A run folder or a problem fold
 
 @app.command()
 @_guard
-def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file: profile, freeze, then search."),
+def tune(model: list[Path] = typer.Option([], "--model", help="Model file: profile, freeze, then search. Repeat "
+                                          "it for a corpus: each distinct problem searched once, winners shared."),
+         models: Optional[Path] = typer.Option(None, "--models", help="A folder of model files (*.py): one corpus."),
+         model_weight: list[str] = typer.Option([], help="NAME=W: how much a corpus model's time counts in the "
+                                                "budget's split (default 1); repeatable."),
          resume: Optional[Path] = typer.Option(None, "--resume", help="Continue this run folder, with the "
                                                "settings it was started with (flags given override them)."),
          planner: Optional[str] = typer.Option(None, help="auto (default: templates, then torch.compile's candidates "
@@ -223,17 +182,27 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
     otherwise."""
     _no_jail(no_jail)
     modes = parse_compile_modes(compile_modes)
-    if resume is not None and model is None:  # its integration runs the winners of every earlier session's planners
+    if resume is not None and not model:  # its integration runs the winners of every earlier session's planners
         from agent.setup.jobs import check_run_jail
-        check_run_jail(resume)
-    from agent.cli.session import TuneRequest, tune_session
+        for run in CorpusFolder.open(resume).runs().values() if is_corpus(resume) else [resume]:
+            check_run_jail(getattr(run, "path", run))
+    from agent.cli.session import TuneRequest
     given = {"planner": planner, "llm_model": llm_model, "base_url": base_url, "devices": devices,
              "executor": executor, "ray_address": ray_address, "workers_per_gpu": workers_per_gpu,
              "gpu_hours": gpu_hours, "max_candidates": max_candidates, "patience": patience, "max_usd": max_usd,
              "no_jail": no_jail or None, "screen": screen}
-    request = TuneRequest(model, resume, given, device, workload, tolerance, region_tolerance, e2e_tolerance,
-                          max_regions, _names(regions), runs_dir, integrate, baselines, workloads, model_workloads,
-                          modes)
+    files = model_files(model, models)
+    request = TuneRequest(files[0] if len(files) == 1 else None, resume, given, device, workload, tolerance,
+                          region_tolerance, e2e_tolerance, max_regions, _names(regions), runs_dir, integrate, baselines,
+                          workloads, model_workloads, modes)
+    if len(files) > 1 or models is not None or (resume is not None and is_corpus(resume) and not files):
+        _tune_corpus(request, files, model_weight, json_out)
+    _tune_one(request, json_out)
+
+
+def _tune_one(request, json_out: bool) -> None:
+    """`agent tune` of one model (agent/cli/session.py): its search, integration and report."""
+    from agent.cli.session import tune_session
     _stdout_for_json(json_out)
     tty = sys.stdout.isatty()
     result = tune_session(request, say=(lambda text: None) if json_out else _say,
@@ -251,6 +220,24 @@ def tune(model: Optional[Path] = typer.Option(None, "--model", help="Model file:
         _say(f"\nstopped: {result.outcome.stop_reason}. report: {result.report}")
         _say(f"log: {result.run.log_path}")
         _say(f"continue with: agent tune --resume {result.run.path}")
+    raise typer.Exit(result.exit_code)
+
+
+def _tune_corpus(request, files: list[Path], weights: list[str], json_out: bool) -> None:
+    """`agent tune` of a corpus (agent/cli/corpus.py): its models, its classes, its report."""
+    from agent.cli.corpus import CorpusRequest, corpus_session
+    _stdout_for_json(json_out)
+    tty = sys.stdout.isatty()
+    result = corpus_session(CorpusRequest(request, files, model_weights(weights), request.resume),
+                            say=(lambda text: None) if json_out else _say,
+                            warn=lambda text: err.print(f"note: {text}", **PLAIN),
+                            lines=None if json_out or tty else sys.stdout, console=out if tty and not json_out else None)
+    if json_out:
+        _emit_json(result.summary())
+    else:
+        _say(f"\ncorpus report: {result.report}\ncontinue with: agent tune --resume {result.folder.path}")
+    if result.error:
+        err.print(f"error: {result.error}", **PLAIN)
     raise typer.Exit(result.exit_code)
 
 
@@ -295,6 +282,11 @@ def status(run: Path = typer.Argument(..., help="Run folder (may be running else
     best speedup, error vs tolerance, budget."""
     from agent.cli.view import progress_table, status_of
     from tools.runfolder import RunFolder
+    if is_corpus(run):
+        from agent.cli.corpus import corpus_status
+        data, lines = corpus_status(run)
+        _emit_json(data) if json_out else [_say(line) for line in lines]
+        return
     folder = RunFolder.open(run)
     data, budget = status_of(folder)
     if json_out:
@@ -309,8 +301,10 @@ def status(run: Path = typer.Argument(..., help="Run folder (may be running else
 def report_(run: Path = typer.Argument(..., help="Run folder.")):
     """Write runs/<run>/report.md and a self-contained report.html from what the store holds now (also mid-run)."""
     from agent import report
+    from agent.report.corpus_view import write_corpus_report
+    from tools.corpus import CorpusFolder
     from tools.runfolder import RunFolder
-    md = report.write(RunFolder.open(run))
+    md = write_corpus_report(CorpusFolder.open(run)) if is_corpus(run) else report.write(RunFolder.open(run))
     _say(f"wrote {md}\nand {md.with_name('report.html')}")
 
 

@@ -67,6 +67,8 @@ class TuneRequest:
     """--model-workloads: with a trace, the model's own workloads too, at weight 0."""
     compile_modes: list[str] | None = None
     """--compile-modes: the compile baselines (and the ways with our kernels inside them); None: all."""
+    wrap: Callable[[Any], Any] | None = None
+    """The planner the search asks around the settings' one (a corpus's class planner); None: that one."""
 
 
 @dataclass
@@ -142,7 +144,7 @@ def tune_session(req: TuneRequest, *, say: Callable[[str], None] = lambda text: 
             if lock.took_over:
                 notes.append(f"took over the run from a tuner that is no longer running ({lock.took_over})")
         try:
-            return _search_and_review(req, run, settings, notes, say, warn, lines, console)
+            return search_and_review(req, run, settings, notes, say, warn, lines, console)
         finally:
             lock.release()
             drop_spares()
@@ -178,7 +180,7 @@ def _check_search(settings: TuneSettings) -> None:
             raise UserError(f"--devices {settings.devices!r}: no device given (cpu, cuda:0, cpu@a,cpu@b, ...)")
 
 
-def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings, notes: list[str], say, warn,
+def search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings, notes: list[str], say, warn,
                        lines, console) -> TuneResult:
     run.update_options(**{SETTINGS_KEY: settings.model_dump(), "stop_rule": settings.stop_rule.model_dump()})
     problems = run.problems()
@@ -221,7 +223,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                                    executor_name=settings.executor, ray_address=settings.ray_address,
                                    workers_per_gpu=settings.workers_per_gpu or None, on_budget=progress.set_budget,
                                    on_in_flight=lambda f: setattr(progress, "in_flight", _with(f, early)),
-                                   screen=settings.screen if settings.screen is not None else kind != "cpu")
+                                   screen=settings.screen if settings.screen is not None else kind != "cpu",
+                                   wrap=req.wrap or (lambda planner: planner))
     except KeyboardInterrupt as e:  # a second signal during the search, or one before its own handlers
         interrupted = True
         outcome = Outcome(f"interrupted ({str(e) or 'Ctrl-C'})", 0, 0)
@@ -255,14 +258,8 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
     finally:
         if early is not None:
             early.close()
-    report_path = None
-    try:
-        report_path = report.write(run)
-    except (OSError, ProblemError) as e:
-        note(f"the report could not be written: {e}")
-    except KeyboardInterrupt:  # the results are all in the store: the run ends as any interrupted one
-        interrupted = True
-        note(f"the report was interrupted; agent report {run.path} writes it")
+    report_path, cut = write_report(run, note)
+    interrupted = interrupted or cut
     code = INTERRUPTED if interrupted else SEARCH_FAILED if (outcome.planner_failure or not seen.trials) else 0
     if code == SEARCH_FAILED and not outcome.planner_failure:
         outcome.planner_failure = f"no candidate could be tried ({outcome.stop_reason})"
@@ -271,6 +268,19 @@ def _search_and_review(req: TuneRequest, run: RunFolder, settings: TuneSettings,
                    f"{run.path}")
     spent = budget.spent if budget else sum(t.gpu_seconds for t in seen.trials)
     return TuneResult(run, settings, outcome, spent, kind, report_path, integration, code, notes)
+
+
+def write_report(run: RunFolder, note: Callable[[str], None]) -> tuple[Path | None, bool]:
+    """(report.md, or None where it could not be written; whether a signal cut it short). The
+    results are all in the store: an interrupted report ends the run as any interrupted one."""
+    try:
+        return report.write(run), False
+    except (OSError, ProblemError) as e:
+        note(f"the report could not be written: {e}")
+    except KeyboardInterrupt:
+        note(f"the report was interrupted; agent report {run.path} writes it")
+        return None, True
+    return None, False
 
 
 def _timing_kind(problems, devices: str | None) -> str:

@@ -60,3 +60,8 @@ def render_md(view: ReportView) -> str:
 def render_html(view: ReportView) -> str:
     """One self-contained page: inline stylesheet, inline SVG, nothing fetched from anywhere."""
     return _environment().get_template("report/report.html.j2").render(v=view)
+
+
+def render_named(name: str, **context) -> str:
+    """Any template of prompts/ through the report's environment (the corpus report's)."""
+    return _environment().get_template(name).render(**context)

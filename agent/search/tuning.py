@@ -18,7 +18,7 @@ from agent.search.budget import Budget
 from agent.errors import UserError
 from agent.history import load_history
 from agent.search.loop import Outcome, tune
-from agent.planners import PlannerError, make_planner, planner_names
+from agent.planners import Planner, PlannerError, make_planner, planner_names
 from agent.search.signals import STOP_SIGNALS, detach_from_terminal, is_stopping
 from tools.problem import Problem, StopRule
 from tools.runfolder import RunFolder
@@ -71,11 +71,13 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
              ray_address: str | None = None, workers_per_gpu: int | None = None,
              on_budget: Callable[[Budget], None] = lambda b: None,
              on_in_flight: Callable[[Callable[[], list[str]]], None] = lambda f: None,
-             screen: bool = False) -> tuple[Outcome, Budget]:
+             screen: bool = False,
+             wrap: Callable[[Planner], Planner] = lambda planner: planner) -> tuple[Outcome, Budget]:
     """Search the run until a stop rule fires or a signal stops it. The outcome says which
     generations the candidates were tried on (`outcome.generations`). `on_in_flight` gets a
-    callable that says what the running trials are doing (for the progress line)."""
-    from agent.executors.local import BUSY_NOTE, LocalExecutor, parse_devices  # torch: past the flags' checks
+    callable that says what the running trials are doing (for the progress line). `wrap`: the
+    planner the search asks, around the one the settings name (a corpus's class planner)."""
+    from agent.executors.local import LocalExecutor  # torch: past the flags' checks
     from agent.setup.jobs import check_model_unchanged
     from sandbox.runner import Limits
     problems = run.problems()
@@ -83,29 +85,13 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
         raise UserError(f"{run.path}: no frozen problems to tune (see skipped regions in run.json)")
     for p in problems:
         check_model_unchanged(p)
-    check_executor(executor_name, devices, ray_address)
-    if executor_name == "ray":
-        executor = _ray_executor(run, problems, ray_address, limits or Limits(budget_ms=150), memory_gb,
-                                 workers_per_gpu)
-        slots, notes, generations = [], [executor.describe()], executor.generations
-    else:
-        try:
-            slots, notes = parse_devices(devices)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        executor, generations = None, sorted({s.generation for s in slots})
-        if devices is None and slots and all(s.device == "cpu" for s in slots) \
-                and any(p.device != "cpu" for p in problems) and any(BUSY_NOTE in n for n in notes):
-            # Every GPU is busy: CPU trials of GPU-frozen problems would compare against another
-            # device's references at CPU speed all night. Say so now rather than waste the night.
-            raise UserError("no idle GPU (" + "; ".join(n for n in notes if BUSY_NOTE in n) + ") and the "
-                            "problems were frozen on a GPU. Free it, share it with --devices cuda:0, or run "
-                            "CPU trials on purpose with --devices cpu")
+    executor, slots, notes, generations = _executor(run, problems, devices, executor_name, ray_address,
+                                                    limits or Limits(budget_ms=150), memory_gb, workers_per_gpu)
     try:
-        planner = make_planner(planner_spec, inbox=run.inbox, llm_model=llm_model, base_url=base_url,
-                               max_usd=stop_rule.max_usd, record=_recorder(run), usd_spent=lambda: _usd(run),
-                               device=", ".join(generations), notify=_stopped_planner(run, on_note),
-                               on_failure=lambda e: _stopped_planner(run, on_note)(str(e)))
+        planner = wrap(make_planner(planner_spec, inbox=run.inbox, llm_model=llm_model, base_url=base_url,
+                                    max_usd=stop_rule.max_usd, record=_recorder(run), usd_spent=lambda: _usd(run),
+                                    device=", ".join(generations), notify=_stopped_planner(run, on_note),
+                                    on_failure=lambda e: _stopped_planner(run, on_note)(str(e))))
     except (PlannerError, ValueError) as e:
         if executor is not None:
             executor.close()
@@ -163,6 +149,29 @@ def run_tune(run: RunFolder, planner_spec: str, devices: str | None, stop_rule: 
         outcome.stop_reason = f"interrupted ({stopped_by[0] if stopped_by else 'Ctrl-C'})"
     outcome.generations = list(executor.generations)
     return outcome, budget
+
+
+def _executor(run: RunFolder, problems: list[Problem], devices: str | None, executor_name: str,
+              ray_address: str | None, limits: Limits, memory_gb: float, workers_per_gpu: int | None):
+    """(the Ray executor or None: the local one is built once the planner is, the local slots,
+    notes for the user, the generations the candidates run on)."""
+    from agent.executors.local import BUSY_NOTE, parse_devices
+    check_executor(executor_name, devices, ray_address)
+    if executor_name == "ray":
+        executor = _ray_executor(run, problems, ray_address, limits, memory_gb, workers_per_gpu)
+        return executor, [], [executor.describe()], executor.generations
+    try:
+        slots, notes = parse_devices(devices)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if devices is None and slots and all(s.device == "cpu" for s in slots) \
+            and any(p.device != "cpu" for p in problems) and any(BUSY_NOTE in n for n in notes):
+        # Every GPU is busy: CPU trials of GPU-frozen problems would compare against another
+        # device's references at CPU speed all night. Say so now rather than waste the night.
+        raise UserError("no idle GPU (" + "; ".join(n for n in notes if BUSY_NOTE in n) + ") and the "
+                        "problems were frozen on a GPU. Free it, share it with --devices cuda:0, or run "
+                        "CPU trials on purpose with --devices cpu")
+    return None, slots, notes, sorted({s.generation for s in slots})
 
 
 def _restore(handlers: dict) -> None:
