@@ -60,9 +60,10 @@ def test_the_probe_sees_each_thing_a_capture_refuses_and_nothing_else(how, said)
 
 
 def test_transformers_models_with_winners_routed_in_capture_clean():
-    """The five small models, each with a template winner in its attention, MLP and norm, every
-    workload called as a capture calls it: nothing copied from the host, no wait, no compile, and
-    the answer the untouched model gives."""
+    """The five small models served over transformers' StaticCache, each with a template winner in
+    its MLP and norm (and its attention, where a template takes it), every workload called as a
+    capture calls it: nothing copied from the host, no wait, no compile, and the answer the
+    untouched model gives."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "tests.host_traffic", *REGIONS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -70,7 +71,7 @@ def test_transformers_models_with_winners_routed_in_capture_clean():
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(said) == set(REGIONS)
     for stem, got in said.items():
-        assert got["skipped"] == [] and len(got["templates"]) == 3, (stem, got)
+        assert got["skipped"] == [] and len(got["templates"]) >= 2, (stem, got)
         assert got["compiles"] == 0, (stem, got)
         for name, w in got["workloads"].items():
             assert w["found"] == [] and w["error"] < 1e-4, (stem, name, w)
@@ -86,6 +87,7 @@ def test_a_compiled_winner_never_compiles_inside_a_capture(tmp_path):
     w = loaded.workloads[0]
     with torch.no_grad():
         want = loaded.model(*w.inputs)
+        w.restore()  # the cache as the workload made it
         with capturing() as probe:
             got = forward(loaded.model, *w.inputs)
     assert compiles() == before and probe.found == []
