@@ -108,6 +108,7 @@ class Worker:
     def op_problem(self, req: dict, _: Any) -> tuple[dict, Any]:
         """Register a problem: the region rebuilt from the model file and the frozen state."""
         from tools.modelfile import import_model_file
+        from tools.objects import as_called
         from tools.region import build_region, seeded
         if self.candidates_run:
             return {"ok": False, "error": "this worker has run candidate code; problems need a fresh worker"}, None
@@ -128,7 +129,9 @@ class Worker:
         parts = {"files": t1 - t0, "import": t2 - t1, "build": time.perf_counter() - t2}
         # A region drawing random numbers is called seeded, the original and candidates alike
         # (tools.region.CALL_SEED); timed runs too, so both sides pay for the seeding.
-        wrap = seeded if req.get("seeded") else (lambda f: f)
+        # Cache objects in the inputs (transformers' KV caches, frozen as plain data) are rebuilt
+        # at each call around the set's own tensors (tools/objects.py), the original's and candidates'.
+        wrap = (lambda f: as_called(seeded(f))) if req.get("seeded") else as_called
         self.problems[req["name"]] = {"region": region, "forward": wrap(type(region).forward), "inputs": inputs,
                                       "wrap": wrap, "fixed_ints": bool(req.get("fixed_ints"))}
         header: dict[str, Any] = {"ok": True, "parts": parts}

@@ -2,9 +2,9 @@
 random weights from small configs) get template candidates that the sandbox's verifier
 passes, under the Triton interpreter on the CPU in fp32.
 
-These regions are called the way transformers calls them: keyword arguments,
-`position_embeddings=(cos, sin)`, `attention_mask=None`, `cache=None`, Conv1D weights in
-GPT-2. The bindings come from the traced graph (which weight feeds which matmul, where cos
+These regions are called the way transformers calls them when it serves the model: keyword
+arguments, `position_embeddings=(cos, sin)`, its masks, its StaticCache (tests/problems/hf_*.py),
+Conv1D weights in GPT-2. The bindings come from the traced graph (which weight feeds which matmul, where cos
 and sin come from), not from attribute names.
 """
 
@@ -52,7 +52,14 @@ def regions(tmp_path_factory):
     runner.close()
 
 
-@pytest.mark.parametrize("stem, region", [(s, c) for s, cs in REGIONS.items() for c in cs])
+CACHE_FED = pytest.mark.xfail(strict=True, reason=(
+    "issue 48, item 2: served over transformers' StaticCache, the attention's keys and values come from the "
+    "cache's update; no attention template takes a cache yet, so none binds (refused at binding, never a "
+    "template that would ignore the cache)"))
+
+
+@pytest.mark.parametrize("stem, region", [pytest.param(s, c, marks=[CACHE_FED] if c.endswith("Attention") else [])
+                                          for s, cs in REGIONS.items() for c in cs])
 def test_a_template_candidate_passes(regions, stem, region):
     problems, runner = regions
     problem = problems[(stem, region)]
@@ -70,6 +77,7 @@ def test_a_template_candidate_passes(regions, stem, region):
     pytest.fail(f"no template candidate passed for {stem} {region}: {tried}")
 
 
+@CACHE_FED
 def test_attention_bindings_come_from_the_trace(regions):
     problems, _ = regions
     llama = [b for t, b in applicable(problems[("hf_llama", "LlamaAttention")]) if t.name == "gqa_attention"]

@@ -1,8 +1,8 @@
 """Freezing regions called the way real models call them: keyword arguments, a (cos, sin)
 tuple, a bool mask, a dtype, a string, a named tuple, and transformers' DynamicCache. The
-frozen files load with weights_only=True; a cache that holds nothing is frozen as absent and
-the region still reproduces its outputs; a cache that holds keys makes the region skip, with
-the reason; on the CPU nothing is copied that need not be."""
+frozen files load with weights_only=True; a cache, empty or holding keys, is frozen as its
+tensors and rebuilt at the call (tools/objects.py), so the region reproduces its outputs in the
+sandbox; on the CPU nothing is copied that need not be."""
 
 from __future__ import annotations
 
@@ -94,15 +94,14 @@ def test_arguments_are_frozen_as_called_and_load_as_plain_data(empty_cache):
     assert isinstance(args[0], torch.Tensor) and isinstance(args[1], tuple) and len(args[1]) == 2
     assert kwargs["mask"].dtype == torch.bool
     assert (kwargs["scale"], kwargs["mode"], kwargs["dtype"]) == (0.5, "mul", torch.float64)
-    assert kwargs["cache"] is None and type(kwargs["pair"]) is tuple
+    assert kwargs["cache"]["__object__"] == "transformers.cache_utils.DynamicCache" and type(kwargs["pair"]) is tuple
     assert reference[0]["structure"] == "(T,N)" and reference[0]["outputs"][0].dtype == torch.float64
     notes = " | ".join(problem.notes)
-    assert "argument cache: a DynamicCache is not plain data; frozen as absent (None)" in notes
+    assert "not plain data" not in notes and problem.inplace_inputs == ["kwargs.cache"]
     assert "argument pair: a Pair frozen as a plain tuple" in notes
     facts = problem.graph
     assert facts["arguments"] == {"arg0": "x", "arg1": "position_embeddings", "kw:mask": "mask", "kw:scale": "scale",
                                   "kw:mode": "mode", "kw:dtype": "dtype", "kw:cache": "cache", "kw:pair": "pair"}
-    assert facts["literals"]["cache"] == "None"
 
 
 def test_the_region_replays_in_the_sandbox(empty_cache):
@@ -120,12 +119,25 @@ def test_the_region_replays_in_the_sandbox(empty_cache):
         runner.close()
 
 
-def test_a_cache_that_holds_keys_cannot_be_frozen_as_absent(tmp_path):
+def test_a_cache_that_holds_keys_is_frozen_with_them_and_rebuilt_at_the_call(tmp_path):
     problems, skipped = freeze(_model(tmp_path, True), [RegionChoice("Region")], tmp_path / "problems",
                                torch.device("cpu"))
-    assert not problems and not (tmp_path / "problems" / "Region").exists()
-    (skip,) = skipped
-    assert "differs from the captured outputs" in skip.reason and "DynamicCache" in skip.reason
+    assert not skipped, skipped
+    folder = tmp_path / "problems" / problems[0].name
+    inputs, _, _ = Problem.load(folder).load_tensors(folder)
+    (layer,) = inputs[0]["kwargs"]["cache"]["state"]["layers"]
+    assert torch.equal(layer["state"]["keys"], torch.ones(1, 1, 2, 2))  # its state before the call
+    runner = TrialRunner("cpu")
+    try:
+        runner.add_problem(folder)
+        assert runner.run(Candidate(region=problems[0].name, source=IDENTITY, planner="test"),
+                          do_time=False).status is Status.ok
+        blind = ("def forward(module, *args, cache=None, **kwargs):\n"
+                 "    return type(module).forward(module, *args, cache=None, **kwargs)\n")
+        assert runner.run(Candidate(region=problems[0].name, source=blind, planner="test"),
+                          do_time=False).status is Status.wrong
+    finally:
+        runner.close()
 
 
 CHANGES_OUTPUT = """

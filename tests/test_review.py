@@ -173,10 +173,10 @@ def test_report_md_and_html_say_the_same_things(tiny):
     store.event("planner_stopped", reason="anthropic planner stopped: HTTP 401: invalid x-api-key")
     store.close()
     rows = [WorkloadResult(name="decode", weight=3, eager_ms=2.0, tuned_ms=1.6, speedup=1.25, error=2e-6,
-                           tolerance="abs 0.0001", noise_band=0.05, verdict="faster",
+                           tolerance="abs 0.0001", noise_band=0.05, verdict="faster", floor_ms=0.4,
                            baselines={"torch.compile": 1.5, "reduce-overhead": None}),
             WorkloadResult(name="prefill", weight=1, eager_ms=9.0, tuned_ms=8.9, speedup=1.01, error=0.5,
-                           tolerance="abs 0.0001", noise_band=0.05, verdict="no change",
+                           tolerance="abs 0.0001", noise_band=0.05, verdict="no change", floor_ms=3.5,
                            baselines={"torch.compile": 8.0, "reduce-overhead": 7.0})]
     IntegrationResult(device="cpu", device_name="host CPU", generation="cpu", timing_kind="cpu", noise_band=0.05,
                       workloads=rows, notes=["a note from integration"],
@@ -193,7 +193,7 @@ def test_report_md_and_html_say_the_same_things(tiny):
     for fact in ("1.25x (faster, band ±5.0%)", "failed", "Weighted total over the workloads (sum of weight x time), "
                  "CPU ms", "Dropped Other ffffffffffffffff: slower end to end.", "anthropic planner stopped: HTTP "
                  "401: invalid x-api-key", "BLOCK_N=1024", "def forward(module, x):", "the last 3 of 5",
-                 "error 0.44 > tolerance abs 0.0001", "0.5 / abs 0.0001 (OUTSIDE)", best):
+                 "error 0.44 > tolerance abs 0.0001", "0.5 / abs 0.0001 (OUTSIDE)", best, "25%", "weighted"):
         assert fact in said, fact
     assert [f for f in said if f not in md] == []
     assert [f for f in said if f not in "".join(page.text)] == []
@@ -208,7 +208,8 @@ def test_report_md_and_html_say_the_same_things(tiny):
     md_said = set(re.findall(r"⟦\d+⟧", report.render_md(view)))
     html_said = set(re.findall(r"⟦\d+⟧", report.render_html(view)))
     assert sorted(where[t] for t in md_said ^ html_said) == []
-    assert sorted(where[t] for t in set(where) - md_said) == ["view.e2e_missing", "view.regions[0].winner.looked_at"]
+    assert sorted(where[t] for t in set(where) - md_said) == ["view.e2e.floor_missing", "view.e2e_missing",
+                                                              "view.regions[0].winner.looked_at"]
 
 
 # -- agent apply -----------------------------------------------------------------------------

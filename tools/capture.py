@@ -31,6 +31,7 @@ from tools.fixed_answer import FIXED_INTS_NOTE, fresh_draws, rewrites_reason, re
 from tools.footprint import Admission, DoesNotFit
 from tools.graph import region_facts, signature_facts
 from tools.inplace import inplace_paths
+from tools.objects import as_called
 from tools.modelfile import LoadedModel, file_sha256, host_copy, inplace_names, tensors_in
 from tools.problem import Problem, StopRule, TensorSpec, Tolerance, Workload, default_tolerance, tensor_hash
 from tools.recording import record_calls
@@ -109,7 +110,7 @@ def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: di
         args, kwargs = call_args(input_set, device)
         counter = FlopCounterMode(display=False, custom_mapping=_attention_flops())
         with torch.no_grad(), counter:
-            type(region).forward(region, *args, **kwargs)  # as the sandbox calls it: no hooks
+            as_called(type(region).forward)(region, *args, **kwargs)  # as the sandbox calls it: no hooks
         flops = counter.get_total_flops()
     except Exception as e:
         (notes if notes is not None else []).append(
@@ -206,7 +207,7 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
         versions = _versions(alone)
         with torch.no_grad():
             # forward itself, as the sandbox calls it: the model's hooks on the module stay outside
-            own = type(alone).forward
+            own = as_called(type(alone).forward)
             again, random = draws_random(lambda: [flatten(own(alone, *call_args(s, device)[0], **call_args(s, device)[1]))[0]
                                                   for s in inputs], device)
             if random:  # no fixed answer: today's outputs are the seeded calls' (`CALL_SEED`),
@@ -246,10 +247,10 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
         return Skipped(choice.class_name, f"its forward changes its own parameters or buffers "
                                f"({', '.join(written[:3])}) and then answers otherwise (by {moved:.3g} on a "
                                "second call): it has no fixed answer to judge a candidate by")
-    fixed_ints, why = fresh_draws(lambda *a, **k: type(alone).forward(alone, *a, **k), inputs[0], device, random)
+    fixed_ints, why = fresh_draws(lambda *a, **k: own(alone, *a, **k), inputs[0], device, random)
     if why:
         return Skipped(choice.class_name, f"its own forward raises on fresh inputs drawn from the frozen ones ({why})")
-    if rewritten := rewrites_when_moved(alone, lambda m, a, k: type(m).forward(m, *a, **k), inputs[0], device,
+    if rewritten := rewrites_when_moved(alone, lambda m, a, k: as_called(type(m).forward)(m, *a, **k), inputs[0], device,
                                         random, fixed_ints):
         return Skipped(choice.class_name, rewrites_reason("its forward", rewritten))
     if fixed_ints:
@@ -299,7 +300,7 @@ def _seeded_calls(region: torch.nn.Module, inputs: list[dict], device: torch.dev
     for s in inputs:
         args, kwargs = call_args(s, device)
         with seeded_rng(device):
-            out.append(flatten(type(region).forward(region, *args, **kwargs))[0])
+            out.append(flatten(as_called(type(region).forward)(region, *args, **kwargs))[0])
     return out
 
 
@@ -370,7 +371,7 @@ def _answer_moved(region: torch.nn.Module, input_set: dict, reference: dict, tol
     beyond the tolerance (0 where not): a cache rebuilt alike is state written, not an answer moved."""
     args, kwargs = call_args(input_set, device)
     with torch.no_grad(), (seeded_rng(device) if seeded else contextlib.nullcontext()):
-        outs = flatten(type(region).forward(region, *args, **kwargs))[0]
+        outs = flatten(as_called(type(region).forward)(region, *args, **kwargs))[0]
     refs = [r if r is None or t is None else r.to(t.device) for r, t in zip(reference["outputs"], outs)]
     error = diff(outs, refs).error(tol)
     return error if error > tol.value else 0.0

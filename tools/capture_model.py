@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tools.capture import _constant, _eval_note, _source, _state_written, _train_only, _versions, model_bytes
+from tools.capture import _constant, _eval_note, _floor_ms, _source, _state_written, _train_only, _versions, model_bytes
 from tools.fixed_answer import FIXED_INTS_NOTE, fresh_draws, rewrites_reason, rewrites_when_moved
 from tools.inplace import inplace_paths
 from tools.graph import signature_facts
@@ -28,10 +28,11 @@ MODEL_PROBLEM = "model"
 
 
 def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolerance: Tolerance | None = None,
-                 device_name: str = "", model_env: dict[str, str] | None = None) -> Problem:
+                 device_name: str = "", model_env: dict[str, str] | None = None, ceilings: dict | None = None) -> Problem:
     """The whole model as a problem (`runs/<run>/model/`, region path ""): its inputs and today's
     outputs per workload, every parameter and buffer, and a tolerance per workload
-    (`calibrated_tolerance` unless given). Integration runs candidates for it (the model with
+    (`calibrated_tolerance` unless given), and with the device's `ceilings` the roofline floor per
+    workload (what the report holds every way of running it to). Integration runs candidates for it (the model with
     winners routed in, torch.compile of it) through the same trial path as any region."""
     state, versions = module_state(loaded.model), _versions(loaded.model)
     if outside := [k for k in loaded.model.state_dict(keep_vars=True) if k not in state]:
@@ -54,6 +55,9 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(input_set))],
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
     model = loaded.model
+    floor_notes: list[str] = []
+    floors = {w.name: _model_floor(model, s, r["outputs"], device, ceilings, floor_notes)
+              for w, s, r in zip(loaded.workloads, inputs, reference)}
     fixed_ints = _fixed_answer(model, state, versions, inputs[0], device, random)
     constant = _constant([t for r in reference for t in r["outputs"]])
     problem = Problem(
@@ -66,13 +70,22 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
         metric="weighted_latency" if len(workloads) > 1 else "latency", share_of_model=1.0,
         inplace_inputs=inplace_paths([p["name"] for p in signature_facts(type(model))],
                                      set(inplace_names(type(model))), inputs[0]), seeded_calls=random,
-        fixed_ints=fixed_ints, constant_output=constant,
+        fixed_ints=fixed_ints, constant_output=constant, floor_ms={k: v for k, v in floors.items() if v},
         model_env=dict(model_env if model_env is not None else getattr(loaded, "env", {}) or {}),
         notes=([_eval_note(kinds)] if (kinds := _train_only(loaded, model)) else []) + ([FIXED_INTS_NOTE] if fixed_ints else [])
                + ([f"every output element is {constant:g} on every workload: a candidate may return that without "
-                   "computing; its trials are flagged"] if constant is not None else []))
+                   "computing; its trials are flagged"] if constant is not None else []) + list(dict.fromkeys(floor_notes)))
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem
+
+
+def _model_floor(model: torch.nn.Module, input_set: dict, outputs: list, device: torch.device, ceilings: dict | None,
+                 notes: list[str]) -> float | None:
+    """The whole model's roofline floor on one workload (tools/capture.py's, a region's): each
+    weight once, however many modules share it (a tied embedding is read once)."""
+    weights = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    with torch.no_grad():
+        return _floor_ms(model, input_set, outputs, {str(k): t for k, t in weights.items()}, device, ceilings, notes)
 
 
 def _reference_outputs(loaded: LoadedModel, w: WorkloadInputs, device: torch.device) -> tuple[dict, str, list, bool]:

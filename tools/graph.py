@@ -367,6 +367,7 @@ def region_facts(region: torch.nn.Module, input_set: dict, structure: str,
                  device: torch.device) -> tuple[dict, list[str]]:
     """Signature, argument names and the traced facts for one frozen input set, plus notes on
     what could not be found out (a region that cannot be traced keeps its signature)."""
+    from tools.objects import rebuild
     from tools.region import call_args
     params = signature_facts(type(region))
     names = argument_names(input_set, params)
@@ -375,7 +376,7 @@ def region_facts(region: torch.nn.Module, input_set: dict, structure: str,
                              "returns": structure}
     try:
         args, kwargs = call_args(input_set, device)
-        nodes = trace(region, args, kwargs, names)
+        nodes = trace(region, rebuild(args), rebuild(kwargs), names)
     except Exception as e:  # a fact for planners, never a reason to lose the problem
         return facts, [f"trace: unknown ({type(e).__name__}: {str(e)[:160]})"]
     mms = matmuls(nodes)

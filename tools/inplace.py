@@ -17,15 +17,18 @@ from typing import Any
 
 import torch
 
+from tools.modelfile import tensors_in
+from tools.objects import is_marker
 from tools.trial import Status
 
 
 def inplace_paths(names: list[str], declared: set[str], input_set: dict) -> list[str]:
-    """Where the declared arguments are in one frozen input set ({"args", "kwargs"})."""
+    """Where the declared arguments are in one frozen input set ({"args", "kwargs"}), and every
+    cache object frozen in it (tools/objects.py: a cache is written by the call, declared or not)."""
     paths = [f"args.{i}" for i, a in enumerate(input_set.get("args", []))
-             if i < len(names) and names[i] in declared and isinstance(a, torch.Tensor)]
+             if (i < len(names) and names[i] in declared and isinstance(a, torch.Tensor)) or is_marker(a)]
     return paths + [f"kwargs.{k}" for k, v in input_set.get("kwargs", {}).items()
-                    if k in declared and isinstance(v, torch.Tensor)]
+                    if (k in declared and isinstance(v, torch.Tensor)) or is_marker(v)]
 
 
 def _at(input_set: Any, path: str) -> Any:
@@ -76,6 +79,20 @@ def check(paths: list[str], got: Any, original: Any, before: Any, tol, diff
                 return Status.mutated_input, f"argument {path} changed, and it is not a declared in-place output", None
             continue
         b = _at(before, path)
+        if is_marker(o):  # a cache object: each of its tensors, as one declared output
+            bad = _tensor_check(path, list(tensors_in(g)), list(tensors_in(o)), list(tensors_in(b)), tol, diff)
+        else:
+            bad = _tensor_check(path, [g], [o], [b], tol, diff)
+        if bad is not None:
+            return bad
+    return None
+
+
+def _tensor_check(path: str, gs: list, os_: list, bs: list, tol, diff) -> tuple[Status, str, Any] | None:
+    """One declared output's tensors (a cache object's, in order), as `check` says."""
+    if len(gs) != len(os_):
+        return Status.wrong, f"in-place output {path} came back with other tensors", None
+    for g, o, b in zip(gs, os_, bs + [None] * (len(os_) - len(bs))):
         if not isinstance(g, torch.Tensor) or g.shape != o.shape or g.dtype != o.dtype:
             return Status.wrong, f"in-place output {path} came back with another shape or dtype", None
         if isinstance(b, torch.Tensor) and b.shape == o.shape and b.dtype == o.dtype and o.numel():

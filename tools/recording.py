@@ -6,8 +6,10 @@ keyword arguments stay keywords (transformers' layers call `self_attn(hidden_sta
 position_embeddings=(cos, sin), attention_mask=None, ...)`), tuples stay tuples, None stays
 None, and numbers, strings, dtypes and devices are kept as they are.
 
-Anything else is not plain data and is frozen as **absent** (None), with a note: a cache
-object (transformers' `DynamicCache`), a module, a function, a config. The freeze then
+transformers' cache objects (`StaticCache`, `DynamicCache`) are frozen as markers of their
+tensors and rebuilt at the call (tools/objects.py), their state taken before the call (it writes
+into them). Anything else is not plain data and is frozen as **absent** (None), with a note: a
+module, a function, a config. The freeze then
 rebuilds the region alone and runs it on the frozen arguments; when that no longer gives the
 captured outputs (a cache that already holds keys, a callback that matters), the region is
 skipped and the reason names the argument. Models run with `use_cache=False` pass no cache
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from tools.footprint import Admission
+from tools.objects import frozen_kind, marker
 
 PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
@@ -67,6 +70,8 @@ class Recorder:
             if type(x) is not dict:
                 self.notes.append(f"{where}: a {type(x).__name__} frozen as a plain dict")
             return {k: self.plain(v, f"{where}[{k!r}]") for k, v in x.items()}
+        if frozen_kind(x):  # transformers' cache: its tensors, rebuilt at the call (tools/objects.py)
+            return marker(x, self.plain, where)
         self.notes.append(f"{where}: a {type(x).__name__} is not plain data; frozen as absent (None)")
         return None
 
@@ -77,7 +82,7 @@ class Recorder:
 
 def not_plain(x: Any, where: str) -> str | None:
     """Where `x` holds something Recorder.plain would freeze as absent, and what (None: nowhere)."""
-    if isinstance(x, torch.Tensor) or x is None or isinstance(x, (*PLAIN, torch.Size)):
+    if isinstance(x, torch.Tensor) or x is None or isinstance(x, (*PLAIN, torch.Size)) or frozen_kind(x):
         return None
     if isinstance(x, (list, tuple)):
         return next((w for i, v in enumerate(x) if (w := not_plain(v, f"{where}[{i}]"))), None)
@@ -132,6 +137,9 @@ def record_calls(model: torch.nn.Module, module: torch.nn.Module, workloads: lis
                                    if isinstance(a, torch.Tensor) and (copy_all or (i < len(names) and names[i] in declared))}
                     seen["pre"].update({k: v.detach().to("cpu", copy=True) for k, v in kwargs.items()
                                         if isinstance(v, torch.Tensor) and (copy_all or k in declared)})
+                    # A cache object is written by the call: its state before it, copied.
+                    seen["pre"].update({k: Recorder(False).plain(v, f"argument {k}") for k, v in
+                                        [*enumerate(args), *kwargs.items()] if frozen_kind(v)})
 
             def hook(_m, args, kwargs, output, rec=rec, seen=seen, calls=calls):
                 calls[0] += 1

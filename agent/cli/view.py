@@ -7,7 +7,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from agent.history import History
-from agent.report.numbers import times
+from agent.report.lead import as_json
+from agent.report.numbers import region_state, times
 from tools.problem import Problem
 
 
@@ -24,6 +25,7 @@ def progress_rows(problems: list[Problem], history: History) -> list[dict]:
             "best_by_generation": best.speedups() if best else {},
             "best_error": next(iter(best.by_generation.values())).error if best else None,
             "tolerance": str(p.tolerance), "best_template": best.template if best else None,
+            "state": region_state(sum(counts.values()), counts.get("ok", 0), len(history.kept(p.name))),
             "failures": {k: v for k, v in counts.items() if k != "ok"},
         })
     return rows
@@ -97,9 +99,23 @@ def status_of(folder) -> tuple[dict, str]:
     kind = ("cuda" if "cuda" in timed else "cpu") if timed else \
         ("cpu" if all(p.device == "cpu" for p in problems) else "cuda")
     data = {"run": str(folder.path), **run_status(folder), "timing_kind": kind,
-            "regions": progress_rows(problems, history), "gpu_seconds": spent, "stop_rule": rule}
+            "regions": progress_rows(problems, history), "gpu_seconds": spent, "stop_rule": rule,
+            "end_to_end": _end_to_end(folder)}
     return data, budget_line(spent, rule.get("gpu_hours", 0.0), len(history.records), rule.get("max_candidates", 0),
                              kind)
+
+
+def _end_to_end(folder) -> dict | None:
+    """The report's end-to-end lead (agent/report/lead.py), from integration.json; None before
+    integration has run (`integration_failed` says why it gave none, where it failed)."""
+    from tools.e2e import IntegrationResult, last_failure
+    try:
+        result = IntegrationResult.load(folder.path)
+    except ValueError as e:  # a damaged file is said, not raised: status works on any run
+        return {"error": f"integration.json unreadable: {str(e)[:200]}"}
+    if result is None:
+        return {"integration_failed": why} if (why := last_failure(folder.path)) else None
+    return as_json(result)
 
 
 def trial_lines(trial) -> list[str]:

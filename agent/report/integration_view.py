@@ -3,9 +3,10 @@ tune`) and for `--json`."""
 
 from __future__ import annotations
 
+from agent.report.lead import as_json, fmt_fraction, headline
 from agent.report.numbers import standings
 from tools.e2e import IntegrationResult, WorkloadResult
-from tools.trial import error_line, verdict
+from tools.trial import error_line
 
 
 def render(result: IntegrationResult, console_width: int | None = None):
@@ -18,8 +19,9 @@ def render(result: IntegrationResult, console_width: int | None = None):
     kind = "CPU timings, not GPU numbers" if result.timing_kind == "cpu" else f"GPU timings, {result.device_name}"
     names = list(dict.fromkeys(n for w in result.workloads for n in w.baselines))
     table = Table(title=f"end to end ({kind})", title_justify="left")
+    floors = any(w.floor_ms for w in result.workloads)
     for col in ("workload", "eager ms", "tuned ms", "speedup", "noise band", *[f"{n} ms" for n in names],
-                "error / tolerance"):
+                *(["floor ms (tuned's share)"] if floors else []), "error / tolerance"):
         table.add_column(col, justify="left" if col in ("workload", "error / tolerance") else "right")
     for w in result.workloads:
         cells = [w.name, f"{w.eager_ms:.4f}", _ms(w.tuned_ms), _verdict(w) + ("" if result.accepted else " (A/A)"),
@@ -29,17 +31,14 @@ def render(result: IntegrationResult, console_width: int | None = None):
             # A way whose own worker was noisier than the tuned model's shows its own band.
             sure = f" ±{band:.0%}" if band > max(2 * w.noise_band, 0.02) else ""
             cells.append("failed" if ms is None else f"{ms:.4f} ({sp:.2f}x{sure})" if sp else f"{ms:.4f}")
+        if floors:
+            cells.append(f"{w.floor_ms:.4f} ({fmt_fraction(w.floor_ms, w.tuned_ms)})" if w.floor_ms else "-")
         cells.append(f"{w.error:.3g} / {w.tolerance}" if w.error is not None else f"- / {w.tolerance}")
         table.add_row(*cells)
     lines = [table]
-    if result.speedup:
-        band = result.noise_band or 0.0
-        said = "no change" if verdict(result.speedup, band) == "no change" else f"{result.speedup:.2f}x"
-        aa = "" if result.accepted or said == "no change" else (
-            ": nothing was applied, so this is the untouched model against itself in another worker, the "
-            "measurement's own cross-process offset on this machine, not a change")
-        lines.append(Text(f"weighted end-to-end: {said} (noise band ±{band:.1%})"
-                          + (" (CPU timing)" if result.timing_kind == "cpu" else "") + aa))
+    if (said := headline(result))[0]:
+        cpu = " (CPU timing, not a GPU number)" if result.timing_kind == "cpu" else ""
+        lines.append(Text(f"end to end{cpu}: {said[0]} {said[1]}"))
     for a in result.accepted:
         # A per-shape dispatcher has no one region speedup (each shape runs its fastest).
         alone = f"region {a.region_speedup:.2f}x, " if a.region_speedup else ""
@@ -78,6 +77,7 @@ def _ms(x: float | None) -> str:
 def summary(result: IntegrationResult) -> dict:
     """What `agent tune --json` prints about integration."""
     return {"speedup": result.speedup, "noise_band": result.noise_band, "timing_kind": result.timing_kind,
+            "lead": as_json(result),
             "accepted": [a.region for a in result.accepted],
             "dropped": [{"region": d.region, "candidate": d.candidate_hash, "reason": d.reason}
                         for d in result.dropped],

@@ -16,15 +16,6 @@ def tidy(text: str) -> str:
     return _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.3g}", text)
 
 
-def e2e_speedup(result: IntegrationResult) -> float | None:
-    """Weighted over workloads, like a region's: sum(w * eager) / sum(w * tuned)."""
-    rows = [w for w in result.workloads if w.weight > 0]
-    if not rows or any(w.tuned_ms is None for w in rows):
-        return None
-    tuned = sum(w.weight * w.tuned_ms for w in rows)
-    return sum(w.weight * w.eager_ms for w in rows) / tuned if tuned > 0 else None
-
-
 def within(error: float | None, tolerance: str) -> bool | None:
     """Whether an error is inside a tolerance written as `abs 0.01` / `rel:1e-3` / `0.01`."""
     parts = tolerance.replace(":", " ").split()
@@ -42,24 +33,16 @@ def fmt_speedup(w) -> str:
     return f"{w.speedup:.2f}x ({w.verdict or verdict(w.speedup, w.noise_band)}, band ±{w.noise_band:.1%})"
 
 
-def e2e_verdict(result: IntegrationResult) -> str:
-    """`faster`, `slower` or `no change` for the weighted speedup against the weighted band ("" if none)."""
-    sp = e2e_speedup(result)
-    return verdict(sp, result.noise_band or 0.0) if sp else ""
-
-
-def e2e_headline(result: IntegrationResult) -> tuple[str, str]:
-    """The weighted end-to-end speedup ("" when none was measured) and the sentence that follows
-    it, which says `no change` when the speedup lies inside the weighted band."""
-    sp, band, said = e2e_speedup(result), result.noise_band or 0.0, e2e_verdict(result)
-    if not sp:
-        return "", "no end-to-end speedup measured."
-    head = (f"end to end, weighted over workloads: {said} "
-            f"({'inside' if said == 'no change' else 'beyond'} the A/A noise band of ±{band:.1%}).")
-    if not result.accepted and said != "no change":
-        head += (" Nothing was applied: this is the untouched model against itself in another worker, the "
-                 "measurement's own cross-process offset, not a change.")
-    return f"{sp:.2f}x", head
+def region_state(trials: int, passed: int, kept: int) -> str:
+    """What a region's search came to, one sentence (the report and `agent status --json` say the
+    same): a region nothing was tried on is not one where nothing passed."""
+    if trials == 0:
+        return "No trial ran on this region: nothing was tried on it, so nothing is known about it."
+    if passed == 0:
+        return f"No candidate passed the tolerance ({trials} tried)."
+    if kept == 0:
+        return f"No candidate passed on every target generation yet ({passed} of {trials} passed on some)."
+    return f"{kept} candidate{'s' * (kept != 1)} kept ({passed} of {trials} passed)."
 
 
 def cpu_headline(result: IntegrationResult) -> str:

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from agent.report.data import MAX_EXAMPLES, RegionView, ReportData, run_state
-from agent.report.numbers import (cpu_headline, device_time, e2e_headline, e2e_speedup, e2e_verdict, fmt_err, fmt_ms, fmt_params,
-                                  fmt_speedup, standings, tidy, weighted_totals, within)
+from agent.report.lead import fmt_fraction, headline, lead, stated, weighted_floor
+from agent.report.numbers import (cpu_headline, device_time, fmt_err, fmt_ms, fmt_params, fmt_speedup, region_state,
+                                  standings, tidy, weighted_totals, within)
 from tools.e2e import IntegrationResult
 
 LAYOUT = {"layout": True}
@@ -60,8 +61,9 @@ class EndToEnd:
     kind: str
     unit: str
     speedup: str
-    """The lead, in bold: the weighted speedup, "correctness only" on a CPU run, "" when none was
-    measured. `headline` goes on from it (after a space, or straight on when it starts with ":")."""
+    """The lead, in bold: what our kernels add to the fastest way without them (the best compile
+    mode; eager where none was timed), weighted; "correctness only" on a CPU run, "" when nothing
+    was compared. `headline` goes on from it (after a space, or straight on when it starts with ":")."""
     headline: str
     workloads: list[WorkloadRow]
     ways: list[str]
@@ -69,6 +71,11 @@ class EndToEnd:
     totals_over: str
     """What the weighted totals sum ("" with one workload: they would repeat its row)."""
     totals: list[Card]
+    floor_rows: list[WaysRow]
+    """Per workload (then weighted, with several) the roofline floor and each way's fraction of it
+    (floor / time), in the order of `ways`; empty where the model has no floor."""
+    floor_missing: str
+    """Why there is no floor ("" when there is one)."""
     notes: list[str]
 
 
@@ -143,6 +150,8 @@ class Region:
     error: Mark
     planner: str
     template: str
+    state: str
+    """What its search came to (agent.report.numbers.region_state)."""
     winner: Winner | None
 
 
@@ -222,15 +231,16 @@ def build(data: ReportData) -> ReportView:
 
 def _cards(data: ReportData) -> list[Card]:
     res = data.integration
-    sp = e2e_speedup(res) if res else None
-    said = e2e_verdict(res) if res else ""
-    e2e = (f"{sp:.2f}x" if said != "no change" else f"no change ({sp:.2f}x)") if sp else "not yet"
+    figure, _ = headline(res) if res else ("", "")
+    le = lead(res) if res else None
+    e2e = (figure if le.said != "no change" else f"no change ({figure})") if figure else "not yet"
     label = "end to end: integration has not run yet"
     if res is None and data.integration_error:
         e2e, label = "none", "end to end: integration gave no result (why: below)"
     if res:
-        label = ("end-to-end speedup, weighted" + (f", A/A noise band ±{res.noise_band or 0.0:.1%}" if sp else "")
-                 + (" (CPU timing)" if res.timing_kind == "cpu" else ""))
+        against = f"the best compile mode ({le.rival})" if le.against_compiler else "eager (no compile mode timed)"
+        label = (f"end to end, weighted: the best way with our kernels against {against}"
+                 + (f", A/A noise band ±{le.band:.1%}" if figure else ""))
         if res.timing_kind == "cpu":  # correctness only: a CPU timing is no speedup
             e2e, label = "correctness only", cpu_headline(res)
         outside = [w.name for w in res.workloads if within(w.error, w.tolerance) is False]
@@ -250,9 +260,9 @@ def end_to_end(res: IntegrationResult, trace: str | None = None) -> EndToEnd:
     """Integration's numbers: per workload, against every way of running the model, and what was
     applied, dropped or failed. `trace`: the request trace the workloads' weights came from."""
     unit = "CPU ms" if res.timing_kind == "cpu" else "ms"
-    speedup, headline = ("correctness only", f": {cpu_headline(res)}") if res.timing_kind == "cpu" else e2e_headline(res)
-    headline += "".join(f" The error is OUTSIDE the tolerance on {w.name}." for w in res.workloads
-                        if within(w.error, w.tolerance) is False)
+    speedup, said = stated(res)
+    said += "".join(f" The error is OUTSIDE the tolerance on {w.name}." for w in res.workloads
+                    if within(w.error, w.tolerance) is False)
     rows = [WorkloadRow(w.name, f"{w.weight:g}", fmt_ms(w.eager_ms), fmt_ms(w.tuned_ms), fmt_speedup(w),
                         _error(w.error, w.tolerance), standings(w)[1]) for w in res.workloads]
     ways = list(dict.fromkeys(n for w in res.workloads for n in w.baselines))
@@ -274,9 +284,27 @@ def end_to_end(res: IntegrationResult, trace: str | None = None) -> EndToEnd:
     notes += [tidy(str(n)) for n in res.notes]
     kind = "CPU timings, not GPU numbers" if res.timing_kind == "cpu" else "GPU timings"
     several = len(res.workloads) > 1
-    return EndToEnd(res.device_name or res.device, res.generation or "?", kind, unit, speedup, headline, rows, ways,
+    floors, missing = floor_rows(res, ways)
+    return EndToEnd(res.device_name or res.device, res.generation or "?", kind, unit, speedup, said, rows, ways,
                     way_rows, f"Weighted total over {over}, {unit}" if several else "", totals if several else [],
-                    notes)
+                    floors, missing, notes)
+
+
+def floor_rows(res: IntegrationResult, ways: list[str]) -> tuple[list[WaysRow], str]:
+    """Per workload the roofline floor and each way's fraction of it (then the weighted row), or
+    why there is none."""
+    if not any(w.floor_ms for w in res.workloads):
+        return [], ("No roofline floor was recorded for this model's workloads (the device's ceilings were not "
+                    "measured, or the run was frozen before the whole model carried one)")
+    names, rows = ["eager", "nightshift", *ways], []
+    for w in res.workloads:
+        times = dict(standings(w)[0])
+        rows.append(WaysRow(w.name, [Mark(fmt_ms(w.floor_ms))] + [Mark(fmt_fraction(w.floor_ms, times.get(n)))
+                                                                   for n in names]))
+    if len(res.workloads) > 1:
+        total, floor = dict(weighted_totals(res)), weighted_floor(res)
+        rows.append(WaysRow("weighted", [Mark(fmt_ms(floor))] + [Mark(fmt_fraction(floor, total.get(n))) for n in names]))
+    return rows, ""
 
 
 def region(data: ReportData, r: RegionView) -> Region:
@@ -284,7 +312,8 @@ def region(data: ReportData, r: RegionView) -> Region:
     tolerance = str(p.tolerance)
     facts = dict(name=p.name, region_class=p.region_class, share=f"{p.share_of_model:.0%}", tolerance=tolerance,
                  tolerance_source=p.tolerance_source, trials=str(sum(r.counts.values())),
-                 passed=str(r.counts.get("ok", 0)), kept=str(r.kept), generations=", ".join(r.gens) or "-")
+                 passed=str(r.counts.get("ok", 0)), kept=str(r.kept), generations=", ".join(r.gens) or "-",
+                 state=region_state(sum(r.counts.values()), r.counts.get("ok", 0), r.kept))
     if not b:
         return Region(**facts, best="-", per_generation="-", error=Mark(f"- / {tolerance}"), planner="-",
                       template="-", winner=None)

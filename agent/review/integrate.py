@@ -33,7 +33,7 @@ from agent.review import dispatch
 from agent.history import CandidateRecord, History
 from agent.history import load_history
 from agent.review.compile_caches import CompileCaches
-from agent.review.plans import MAX_TRIES, candidate_path, plans, sourced
+from agent.review.plans import MAX_TRIES, candidate_path, model_floors, plans, sourced
 from agent.review.ways import (BASELINES, LIMITS, NoWholeModel, baseline_ways, composed_name, phases, routed_candidate, side_by_side, ways_of,
                         whole_model)
 from sandbox.pool import DevicePool
@@ -181,9 +181,11 @@ class _Integration:
         if not accepted:
             notes("nothing was applied: the table times the untouched model against itself (A/A)")
         compiled = self.compiled_routes(accepted, notes)
+        floors = model_floors(self.run, self.model)
         rows = [WorkloadResult(name=t.workload, weight=w.weight, eager_ms=t.baseline_ms, tuned_ms=t.candidate_ms,
                                speedup=t.speedup, noise_band=t.noise_band, verdict=t.verdict,
-                               error=final.workload_errors.get(w.name), tolerance=str(self.model.tolerance_for(i)))
+                               error=final.workload_errors.get(w.name), tolerance=str(self.model.tolerance_for(i)),
+                               floor_ms=floors.get(w.name))
                 for i, (w, t) in enumerate(zip(self.model.workloads, final.timings))]
         errors, fallbacks, dynamo = _compiled_columns(rows, trials, also)
         hello = dict(self.runner.worker.hello or self.runner.reference.hello)

@@ -14,6 +14,7 @@ from agent.history import CandidateRecord, History
 from agent.report.numbers import times
 from agent.review import dispatch
 from tools.e2e import DroppedCandidate
+from tools.hotspots import ProfileResult
 from tools.problem import Problem
 from tools.runfolder import RunFolder
 
@@ -39,7 +40,9 @@ def plans(run: RunFolder, problems: list[Problem], history: History, max_tries: 
         gens = history.targets(p.name)
         kept = history.kept(p.name)
         if not kept:
-            note(f"{p.name}: no candidate passed on every target generation; the original stays")
+            tried = sum(history.counts(p.name).values())
+            note(f"{p.name}: " + ("no trial ran on it" if not tried else
+                                  "no candidate passed on every target generation") + "; the original stays")
             continue
         wins = [r for r in kept if all(r.by_generation[g].win for g in gens)]
         shaped = dispatch.region_dispatcher(run, p, kept, gens, wins[0] if wins else None,
@@ -91,3 +94,20 @@ def candidate_source(run: RunFolder, rec: CandidateRecord) -> tuple[str | None, 
     if hashlib.sha256(source.encode()).hexdigest()[:16] != rec.candidate_hash:
         return None, f"source changed: {path} no longer has the content that was tried"
     return source, ""
+
+
+def model_floors(run: RunFolder, model: Problem) -> dict[str, float]:
+    """The whole model's roofline floor per workload: frozen with it, else the profile's (the
+    model's row in hotspots.json: a run frozen before the whole model carried one)."""
+    floors = {k: v for k, v in model.floor_ms.items() if v}
+    if all(w.name in floors for w in model.workloads):
+        return floors
+    try:
+        profile = ProfileResult.load(run.path / "hotspots.json")
+    except (OSError, ValueError):
+        return floors
+    for w in profile.workloads:
+        root = next((r for r in w.rows if r.path == ""), None)
+        if w.name not in floors and root is not None and root.floor_ms:
+            floors[w.name] = root.floor_ms
+    return floors

@@ -137,7 +137,7 @@ def profile_and_freeze(model: Path, device: str | None, workload: str | None, ru
                                  exclude=tuple(s.class_name for s in skips))
             try:  # the whole model's end-to-end reference, for integration
                 with user_code(model):
-                    freeze_model(loaded, run.path / MODEL_DIR, dev, e2e_tol, device_name=result.device_name)
+                    freeze_model(loaded, run.path / MODEL_DIR, dev, e2e_tol, result.device_name, ceilings=ceilings.model_dump())
             except ValueError as e:
                 skipped[WHOLE_MODEL] = f"no end-to-end reference: {e}"
         run.write_info(RunInfo(run_id=run.run_id, model_file=str(loaded.path), model_hash=loaded.file_hash,
