@@ -139,3 +139,20 @@ def test_a_region_nothing_was_tried_on_says_so_in_the_report_status_and_integrat
     assert said["rival"] == "reduce-overhead" and said["fastest"] == "reduce-overhead"
     decode = next(w for w in said["workloads"] if w["name"] == "decode")
     assert decode["floor_ms"] == 1.5 and round(decode["fraction_of_floor"]["reduce-overhead"], 2) == 0.48
+
+
+def test_the_terminal_says_what_the_report_says_on_a_cpu_run_correctness_only():
+    """`agent tune` printed "end to end (CPU timing, not a GPU number): 1.04x against eager" where
+    report.md said correctness only: a CPU timing says nothing of a GPU's, in either place."""
+    from rich.console import Console
+
+    from agent.report.integration_view import render
+    res = measured(**{"reduce-overhead": (1.2, 3.14, 1.0)}).model_copy(update={"timing_kind": "cpu"})
+    console = Console(width=400, record=True)
+    console.print(render(res))
+    line = next(ln for ln in console.export_text().splitlines() if ln.startswith("end to end:"))
+    assert line.startswith("end to end: correctness only: with LlamaAttention applied the model"), line
+    assert "no speedup is claimed" in line and "x against" not in line and "0.44x" not in line, line
+    cuda = Console(width=400, record=True)
+    cuda.print(render(measured(**{"reduce-overhead": (1.2, 3.14, 1.0)})))
+    assert "end to end: 0.44x against the best torch.compile mode" in cuda.export_text()

@@ -3,7 +3,7 @@ tune`) and for `--json`."""
 
 from __future__ import annotations
 
-from agent.report.lead import as_json, fmt_fraction, headline
+from agent.report.lead import as_json, fmt_fraction, stated
 from agent.report.numbers import standings
 from tools.e2e import IntegrationResult, WorkloadResult
 from tools.trial import error_line
@@ -36,9 +36,9 @@ def render(result: IntegrationResult, console_width: int | None = None):
         cells.append(f"{w.error:.3g} / {w.tolerance}" if w.error is not None else f"- / {w.tolerance}")
         table.add_row(*cells)
     lines = [table]
-    if (said := headline(result))[0]:
-        cpu = " (CPU timing, not a GPU number)" if result.timing_kind == "cpu" else ""
-        lines.append(Text(f"end to end{cpu}: {said[0]} {said[1]}"))
+    # As the report states it: a CPU run is correctness only (issue 53), never a speedup, labelled or not.
+    if (said := stated(result))[0]:
+        lines.append(Text(f"end to end: {said[0]}{'' if said[1].startswith(':') else ' '}{said[1]}"))
     for a in result.accepted:
         # A per-shape dispatcher has no one region speedup (each shape runs its fastest).
         alone = f"region {a.region_speedup:.2f}x, " if a.region_speedup else ""
