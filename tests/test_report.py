@@ -352,6 +352,11 @@ def test_an_aa_reading_beyond_its_band_is_named_the_measurements_offset_not_a_ch
     console = Console(width=200, record=True)
     console.print(render(aa))
     printed = console.export_text()
+    # A CPU run's terminal line is correctness only, as its report: no speedup, nothing applied.
+    assert "0.89x (A/A)" in printed and "end to end: correctness only: nothing was applied" in printed, printed
+    console = Console(width=400, record=True)
+    console.print(render(aa.model_copy(update={"timing_kind": "cuda"})))  # a GPU's A/A reading
+    printed = " ".join(console.export_text().split())  # as read, whatever the wrapping
     assert "0.89x (A/A)" in printed and "the measurement's own cross-process offset" in printed, printed
     applied = aa.model_copy(update={"accepted": [AcceptedRegion(region="R", candidate_hash="h", candidate_path="c.py",
                                                                  region_speedup=2.0, instances=1)]})
