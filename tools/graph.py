@@ -295,6 +295,7 @@ def attention_facts(nodes: list[dict], mms: list[dict]) -> dict | None:
             "mask_origin": mask["from"] if isinstance(mask, dict) else None,
             "is_causal": bool(n["kwargs"].get("is_causal", False)), "scale": n["kwargs"].get("scale"),
             "enable_gqa": bool(n["kwargs"].get("enable_gqa", False)),
+            "dropout": float(n["kwargs"].get("dropout_p", ops[4] if isinstance(ops[4], (int, float)) else 0.0) or 0.0),
             "out": after[0]["weight"] if after else None}
 
 
