@@ -144,3 +144,38 @@ def test_gemma3s_attention_binds_with_its_scaling_norms_and_window_and_passes(tm
         assert trial.status is Status.ok, trial.reason[:500]
     finally:
         runner.close()
+
+
+SOFTCAP_CHECK = '''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import candidate as c
+torch.manual_seed(0)
+B, L = 2, 40
+for S in (1, 7):
+    q = torch.randn(B, 4, S, 16) * 3
+    k, v = torch.randn(B, 2, L, 16) * 3, torch.randn(B, 2, L, 16)
+    mask = torch.rand(B, 1, S, L) > 0.3
+    mask[..., 0] = True
+    got = c._attend(q, k, v, mask, None)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = torch.tanh(q @ kk.transpose(-1, -2) * c.SCALE / c.SOFTCAP) * c.SOFTCAP
+    want = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vv
+    assert (got - want).abs().max() < 1e-4, (S, (got - want).abs().max())
+print("ok")
+'''
+
+
+def test_logit_soft_capping_is_a_template_parameter_the_kernels_apply(llama, tmp_path):
+    """cap * tanh(s / cap) before the mask (Gemma 2's attn_logit_softcapping), in both kernels, on
+    a masked GQA call under the interpreter; transformers' SDPA cannot soft-cap, so no served
+    model here reaches it: the kernels are checked against eager's formula directly."""
+    import os
+    import subprocess
+    import sys
+    binding = {**TEMPLATES["cache_attention"].bindings(llama)[0], "softcap": 5.0}
+    (tmp_path / "candidate.py").write_text(render(TEMPLATES["cache_attention"], binding,
+                                                  {**default_params(TEMPLATES["cache_attention"]), "BLOCK_N": 16}))
+    done = subprocess.run([sys.executable, "-c", SOFTCAP_CHECK, str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
