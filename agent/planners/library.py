@@ -22,7 +22,7 @@ from functools import cache
 import jinja2
 
 from agent.planners import bindings as rules
-from agent.planners import kv_cache
+from agent.planners import hf_cache, kv_cache
 from agent.planners import traced
 from agent.prompting import prompts_dir
 from tools.problem import Problem
@@ -46,7 +46,7 @@ class KernelTemplate:
     def bindings(self, problem: Problem) -> list[dict]:
         """Each rule's binding on top of how the candidate's forward is declared (the region's
         own signature, its main input, the argument values it was verified on)."""
-        if problem.inplace_inputs and self.name not in PHASE:
+        if problem.inplace_inputs and self.name not in PHASE and self.name not in CACHE_WRITERS:
             return []  # a region writing a KV cache: only the templates that write it can compute it
         call = traced.call_vars(problem)
         if call is None:
@@ -196,9 +196,22 @@ _ALL += [
                    "Attention over a KV cache (written in place): causal flash-attention Triton kernel with "
                    "the cache offset for prompts, SDPA over the cache for one new token.", fits=_flash_fits),
 ]
+# transformers' attention over its own Cache object, with the masks the model passes.
+# bound "positions" (keys up to kwargs['cache_position']) is not offered: transformers 5's caches write
+# at their own count, and the verifier's fresh cache_position draws showed it wrong on every model.
+CACHE_SPACE = {"path": ("triton", "sdpa"), "bound": ("mask",), **PREFILL_SPACE,
+               "SPLITS": DECODE_SPACE["SPLITS"]}
+_ALL += [
+    KernelTemplate("cache_attention", "kernels/cache_attention.py.j2", CACHE_SPACE, hf_cache.cache_fed_attention,
+                   "transformers attention over its Cache (written by cache.update): split-KV decode and "
+                   "flash-style Triton kernels reading the call's mask, or SDPA; GQA without copies.",
+                   fits=_flash_fits),
+]
 TEMPLATES: dict[str, KernelTemplate] = {t.name: t for t in _ALL}
 PHASE = {"decode_attention": "decode", "prefill_attention": "prefill"}
 """Templates written for one phase of a workload mix: the heavier phase's goes first."""
+CACHE_WRITERS = {"cache_attention"}
+"""Templates that write a transformers Cache object in place (by its own update)."""
 
 
 def applicable(problem: Problem) -> list[tuple[KernelTemplate, dict]]:
