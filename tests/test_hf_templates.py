@@ -84,11 +84,11 @@ def _cache_binding(problem) -> dict:
 
 
 @pytest.mark.parametrize("stem", ["hf_llama", "hf_gpt2"])
-@pytest.mark.parametrize("params", [{"path": "sdpa"}, {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 4}],
+@pytest.mark.parametrize("params", [{"path": "sdpa", "qkv": "separate"}, {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 4}],
                          ids=["sdpa", "small_tiles"])
 def test_the_cache_templates_other_paths_pass_too(regions, stem, params):
-    """SDPA over the cache (is_causal without a mask, the mask otherwise, enable_gqa), and the Triton
-    kernels with small tiles (several query and key blocks, several decode splits to merge)."""
+    """SDPA over the cache (is_causal without a mask, the mask otherwise, enable_gqa) with three
+    projections (the default is one GEMM on the cached [q; k; v] weight), and the Triton kernels with small tiles (several query and key blocks, several decode splits to merge)."""
     problems, runner = regions
     problem = problems[(stem, REGIONS[stem][0])]
     trial = _run(runner, problem, TEMPLATES["cache_attention"], _cache_binding(problem), **params)

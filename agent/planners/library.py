@@ -199,7 +199,7 @@ _ALL += [
 # transformers' attention over its own Cache object, with the masks the model passes.
 # bound "positions" (keys up to kwargs['cache_position']) is not offered: transformers 5's caches write
 # at their own count, and the verifier's fresh cache_position draws showed it wrong on every model.
-CACHE_SPACE = {"path": ("triton", "sdpa"), "bound": ("mask",), **PREFILL_SPACE,
+CACHE_SPACE = {"path": ("triton", "sdpa"), "qkv": ("fused", "separate"), "bound": ("mask",), **PREFILL_SPACE,
                "SPLITS": DECODE_SPACE["SPLITS"]}
 _ALL += [
     KernelTemplate("cache_attention", "kernels/cache_attention.py.j2", CACHE_SPACE, hf_cache.cache_fed_attention,
