@@ -42,11 +42,14 @@ class KernelTemplate:
     """Template variables this entry pins, for entries that share a file."""
     fits: Callable[[dict], bool] = lambda params: True
     """Whether a point of the space is worth compiling (shared memory, registers)."""
+    calls_writer: bool = False
+    """Calls the region's children as they are, the one writing a KV cache included: it may bind
+    a region that writes a cache (the verifier compares the cache with the original's)."""
 
     def bindings(self, problem: Problem) -> list[dict]:
         """Each rule's binding on top of how the candidate's forward is declared (the region's
         own signature, its main input, the argument values it was verified on)."""
-        if problem.inplace_inputs and self.name not in PHASE:
+        if problem.inplace_inputs and self.name not in PHASE and not self.calls_writer:
             return []  # a region writing a KV cache: only the templates that write it can compute it
         call = traced.call_vars(problem)
         if call is None:
@@ -195,6 +198,19 @@ _ALL += [
                    kv_cache.kv_cache_attention,
                    "Attention over a KV cache (written in place): causal flash-attention Triton kernel with "
                    "the cache offset for prompts, SDPA over the cache for one new token.", fits=_flash_fits),
+]
+# Decode GEMVs with what surrounds them fused in (issue 48): the small-M path up to MAX_M rows,
+# cuBLAS (or the children as they are) above it, inside one candidate.
+DECODE_GEMV_SPACE = {**SKINNY_SPACE, "SPLIT_K": (4, 1, 2, 8, 16), "MAX_M": (64, 32, 16),
+                     "act_at": ("epilogue", "prologue")}
+_ALL += [
+    KernelTemplate("decode_mlp", "kernels/decode_mlp.py.j2", DECODE_GEMV_SPACE, rules.gated_mlp,
+                   "Gated MLP, decode-fused: up to MAX_M rows one GEMV streams the cached [gate; up] "
+                   "weight with act(g)*u fused, then a split-K down GEMV; cuBLAS above.", fits=_skinny_fits(2)),
+    KernelTemplate("decode_layer", "kernels/decode_layer.py.j2", DECODE_GEMV_SPACE, rules.fused_decoder_layer,
+                   "Pre-norm decoder layer, decode-fused: attention child as it is; residual add + RMSNorm in "
+                   "the gate/up GEMV's prologue, act(g)*u and the second residual in the down GEMV.",
+                   fits=_skinny_fits(2), calls_writer=True),
 ]
 TEMPLATES: dict[str, KernelTemplate] = {t.name: t for t in _ALL}
 PHASE = {"decode_attention": "decode", "prefill_attention": "prefill"}

@@ -149,7 +149,11 @@ def linear(problem: Problem) -> list[dict] | None:
 def gated_mlp(problem: Problem) -> list[dict]:
     """down(act(gate(x)) * up(x)) with nn.Linear layouts: gate is the matmul whose output passes
     an activation on its way into down, up the one that goes in unchanged."""
-    mms = (problem.graph or {}).get("matmuls") or []
+    return gated_mlp_of((problem.graph or {}).get("matmuls") or [])
+
+
+def gated_mlp_of(mms: list[dict]) -> list[dict]:
+    """`gated_mlp` from traced matmuls (a region's, or those of one child of it)."""
     if len(mms) != 3 or any(m["layout"] != "linear" for m in mms):
         return []
     down = mms[2]
