@@ -173,6 +173,8 @@ RIGHT = {
     "mlp": ("ffn", {"w1": "fc_w", "b1": "fc_b", "b2": "proj_b", "layout1": "matmul", "layout2": "matmul",
             "act": "gelu_tanh"}),
     "skinny_linear": ("linear_gelu", {"bias": "fc.bias", "act": "gelu"}),
+    "decode_ffn": ("ffn", {"w1": "fc_w", "b1": "fc_b", "b2": "proj_b", "layout1": "matmul", "layout2": "matmul",
+                   "act": "gelu_tanh"}),
     "rope_attention": ("attention", {"q_w": "q_proj.weight", "k_w": "k_proj.weight",
                                      "cos": "cos_cached", "o_w": "o_proj.weight", "causal": True}),
     "gqa_attention": ("attention", {"q_w": "q_proj.weight", "k_w": "k_proj.weight",
@@ -193,6 +195,7 @@ EXTRA_POINTS = {
     "skinny_linear": [{"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3}, {"SPLIT_K": 1}],
     "skinny_mlp": [{"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, {"SPLIT_K": 1}],
     "decode_mlp": [{"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2, "act_at": "prologue"}, {"MAX_M": 4}],
+    "decode_ffn": [{"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, {"MAX_M": 4}],
     "rope_attention": [{"HEADS": 1, "out_layout": "bshd"}],
     "gqa_attention": [{"HEADS": 2, "qkv": "separate", "out_layout": "bshd"}],
 }
@@ -261,7 +264,7 @@ def test_applicability_follows_shapes(problems):
     assert names["attention"] == {"rope_attention", "gqa_attention"}
     assert names["decoder"] == {"add_rmsnorm"}
     assert names["linear_gelu"] == {"linear_act", "skinny_linear"}
-    assert names["ffn"] == {"mlp"}
+    assert names["ffn"] == {"mlp", "decode_ffn"}
     # Prefill-shaped workloads (many rows) get no decode-shaped GEMV.
     torch.manual_seed(0)
     mlp = MLP(H, I)

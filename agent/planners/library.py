@@ -211,6 +211,10 @@ _ALL += [
                    "Pre-norm decoder layer, decode-fused: attention child as it is; residual add + RMSNorm in "
                    "the gate/up GEMV's prologue, act(g)*u and the second residual in the down GEMV.",
                    fits=_skinny_fits(2), calls_writer=True),
+    KernelTemplate("decode_ffn", "kernels/decode_ffn.py.j2",
+                   {k: v for k, v in DECODE_GEMV_SPACE.items() if k != "act_at"}, rules.mlp,
+                   "Two-layer MLP (nn.Linear or Conv1D), decode-fused: up to MAX_M rows two GEMVs, bias and "
+                   "activation in the first's epilogue, split-K second; cuBLAS above.", fits=_skinny_fits(1)),
 ]
 TEMPLATES: dict[str, KernelTemplate] = {t.name: t for t in _ALL}
 PHASE = {"decode_attention": "decode", "prefill_attention": "prefill"}
