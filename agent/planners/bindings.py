@@ -368,12 +368,13 @@ def fused_decoder_layer(problem: Problem) -> list[dict]:
     h = main["shape"][-1]
     norms = {c: ps[0].name for c in problem.children if len(ps := children_params(problem, c)) == 1
              and ps[0].shape == [h]}
-    mms = g.get("matmuls") or []
+    mms, shapes = g.get("matmuls") or [], {p.name: p.shape for p in problem.parameters}
     mlps = []
     for child in problem.children:
-        own = [mm for mm in mms if mm["weight"].startswith(child + ".")]
-        found = traced.gated_mlp_of(own)
-        mlps += [(child, b) for b in found if _shape(problem, b["down_w"]) == [h, _shape(problem, b["gate_w"])[0]]]
+        found = traced.gated_mlp_of([mm for mm in mms if mm["weight"].startswith(child + ".")])
+        mlps += [(child, b) for b in found if shapes.get(b["down_w"]) == [h, shapes.get(b["gate_w"], [0])[0]]]
+    if len(norms) != 2:  # Gemma 2's sandwich norms and other arrangements compute something else
+        return []
     out = []
     for mixer2, mlp_binding in mlps:
         others = [c for c in problem.children if c not in norms and c != mixer2 and children_params(problem, c)]
@@ -386,10 +387,6 @@ def fused_decoder_layer(problem: Problem) -> list[dict]:
                                 "eps2": e2, "mixer1": others[0], "mixer2": mixer2, "unit_offset": unit,
                                 **mlp_binding, **traced.GENERIC})  # mixer1 gets the layer's *args, **kwargs
     return ranked(out)
-
-
-def _shape(problem: Problem, name: str) -> list[int] | None:
-    return next((p.shape for p in problem.parameters if p.name == name), None)
 
 
 def _norm_forms(ops: list[dict]) -> tuple[bool, ...]:
