@@ -6,7 +6,8 @@ models served over their StaticCache (tests/problems/hf_*.py), on every workload
 decode (4 rows), small batch (16 rows). Each candidate takes the fused GEMV path up to MAX_M rows
 and the large-M path above, so MAX_M 8 puts decode on the GEMVs and the others on cuBLAS, MAX_M 64
 puts all three on the GEMVs; the two ways of placing act(g) * u alternate across the models.
-Gemma, none of the five, defends the class: GELU-tanh gate and (1 + w) norms, bound from the trace.
+Gemma and Phi-3, none of the five, defend the class: Gemma's GELU-tanh gate and (1 + w) norms,
+Phi-3's packed gate_up_proj, bound from the trace.
 GPT-2's plain MLP (Conv1D weights) gets `decode_ffn`, the same GEMVs without a gate.
 """
 
@@ -43,8 +44,17 @@ CASES = [("hf_llama", "MLP", "decode_mlp", MLP_ON_GEMV), ("hf_llama", "DecoderLa
          ("hf_mistral", "MLP", "decode_mlp", DECODE_ON_GEMV),
          ("hf_mistral", "DecoderLayer", "decode_layer", MLP_ON_GEMV),
          ("hf_gemma", "MLP", "decode_mlp", DECODE_ON_GEMV), ("hf_gemma", "DecoderLayer", "decode_layer", MLP_ON_GEMV),
+         ("hf_phi3", "MLP", "decode_mlp", DECODE_ON_GEMV),  # one packed gate_up_proj
          ("hf_gpt2", "MLP", "decode_ffn", DECODE_ON_GEMV)]  # GPT-2's plain MLP on Conv1D weights
 PREFIX = {"hf_qwen2": "Qwen2", "hf_qwen3": "Qwen3", "hf_gpt2": "GPT2"}
+HELD_OUT = ("hf_gemma", "hf_phi3")  # none of the five: written next to the test by the fixture
+
+
+def phi3_source() -> str:
+    """transformers' Phi3Model served as hf_llama.py serves Llama (its special tokens inside the
+    small vocabulary): its MLP packs gate and up into one gate_up_proj."""
+    return (SET / "hf_llama.py").read_text().replace("Llama", "Phi3").replace(
+        "max_position_embeddings=256))", "max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=1))")
 
 
 def gemma_source() -> str:
@@ -68,11 +78,12 @@ def hf(tmp_path_factory):
     base = tmp_path_factory.mktemp("decode")
     (base / "models").mkdir()
     (base / "models" / "hf_gemma.py").write_text(gemma_source())
+    (base / "models" / "hf_phi3.py").write_text(phi3_source())
     problems = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for stem in dict.fromkeys(c[0] for c in CASES):
-            file = SET / f"{stem}.py" if stem != "hf_gemma" else base / "models" / "hf_gemma.py"
+            file = base / "models" / f"{stem}.py" if stem in HELD_OUT else SET / f"{stem}.py"
             loaded = load_model(file, "cpu")
             prefix = PREFIX.get(stem, stem[3:].capitalize())
             regions = [RegionChoice(prefix + c[1]) for c in CASES if c[0] == stem]

@@ -204,7 +204,8 @@ _ALL += [
 DECODE_GEMV_SPACE = {**SKINNY_SPACE, "SPLIT_K": (4, 1, 2, 8, 16), "MAX_M": (64, 32, 16),
                      "act_at": ("epilogue", "prologue")}
 _ALL += [
-    KernelTemplate("decode_mlp", "kernels/decode_mlp.py.j2", DECODE_GEMV_SPACE, rules.gated_mlp,
+    KernelTemplate("decode_mlp", "kernels/decode_mlp.py.j2", DECODE_GEMV_SPACE,
+                   lambda p: rules.gated_mlp(p) or traced.packed_gated_mlp(p),
                    "Gated MLP, decode-fused: up to MAX_M rows one GEMV streams the cached [gate; up] "
                    "weight with act(g)*u fused, then a split-K down GEMV; cuBLAS above.", fits=_skinny_fits(2)),
     KernelTemplate("decode_layer", "kernels/decode_layer.py.j2", DECODE_GEMV_SPACE, rules.fused_decoder_layer,

@@ -165,6 +165,22 @@ def gated_mlp_of(mms: list[dict]) -> list[dict]:
              "down_w": down["weight"], "down_b": down["bias"], "act": gate[0]["act"]}]
 
 
+def packed_gated_mlp(problem: Problem) -> list[dict]:
+    """down(act(g) * u) with g and u the two halves of ONE projection (Phi-3's gate_up_proj): two
+    nn.Linear matmuls, the first [2I, H] feeding the second [H', I] through an activation and a
+    product. The trace does not see the split (a view), so both halves are offered as the gate,
+    the first half first."""
+    g = problem.graph or {}
+    mms, shapes = g.get("matmuls") or [], _weights(problem)
+    if len(mms) != 2 or any(m["layout"] != "linear" for m in mms) or "mul" not in plain_ops(problem) \
+            or mms[0].get("feeds") != mms[1]["weight"] or mms[0].get("act") not in ("silu", "gelu", "gelu_tanh"):
+        return []
+    if shapes[mms[0]["weight"]][0] != 2 * shapes[mms[1]["weight"]][1]:
+        return []
+    return [{"packed": mms[0]["weight"], "packed_b": mms[0]["bias"], "gate_first": first, "down_w": mms[1]["weight"],
+             "down_b": mms[1]["bias"], "act": mms[0]["act"]} for first in (True, False)]
+
+
 def mlp(problem: Problem) -> list[dict]:
     """proj(act(fc(x))): two matmuls, the first feeding the second through an activation."""
     g = problem.graph or {}
