@@ -45,6 +45,7 @@ CASES = [("hf_llama", "MLP", "decode_mlp", MLP_ON_GEMV), ("hf_llama", "DecoderLa
          ("hf_mistral", "DecoderLayer", "decode_layer", MLP_ON_GEMV),
          ("hf_gemma", "MLP", "decode_mlp", DECODE_ON_GEMV), ("hf_gemma", "DecoderLayer", "decode_layer", MLP_ON_GEMV),
          ("hf_phi3", "MLP", "decode_mlp", DECODE_ON_GEMV),  # one packed gate_up_proj
+         ("hf_phi3", "DecoderLayer", "decode_layer", MLP_ON_GEMV),
          ("hf_gpt2", "MLP", "decode_ffn", DECODE_ON_GEMV)]  # GPT-2's plain MLP on Conv1D weights
 PREFIX = {"hf_qwen2": "Qwen2", "hf_qwen3": "Qwen3", "hf_gpt2": "GPT2"}
 HELD_OUT = ("hf_gemma", "hf_phi3")  # none of the five: written next to the test by the fixture

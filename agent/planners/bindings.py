@@ -356,7 +356,7 @@ SHAPE_ATTENTION = {"packed": None, "packed_b": None, "in_layout": "linear", "o_l
 
 def fused_decoder_layer(problem: Problem) -> list[dict]:
     """A pre-norm decoder layer seen whole by the trace: two norm children with one [H] weight
-    each, a gated-MLP child (its three matmuls as `traced.gated_mlp` reads them) and one other
+    each, a gated-MLP child (as `traced.gated_mlp` or `packed_gated_mlp` read it) and one other
     child with parameters, the attention, that the template calls as it is (it may write a KV
     cache). The MLP's weights are named so its GEMVs can take norm2 and both residual adds in.
     Whether the norms scale by 1 + w (Gemma) comes from the trace, both forms where it cannot tell."""
@@ -371,8 +371,10 @@ def fused_decoder_layer(problem: Problem) -> list[dict]:
     mms, shapes = g.get("matmuls") or [], {p.name: p.shape for p in problem.parameters}
     mlps = []
     for child in problem.children:
-        found = traced.gated_mlp_of([mm for mm in mms if mm["weight"].startswith(child + ".")])
-        mlps += [(child, b) for b in found if shapes.get(b["down_w"]) == [h, shapes.get(b["gate_w"], [0])[0]]]
+        own = [mm for mm in mms if mm["weight"].startswith(child + ".")]
+        for b in traced.gated_mlp_of(own) or traced.packed_gated_mlp_of(own, shapes, traced.plain_ops(problem)):
+            inner = shapes[b["gate_w"]][0] if "gate_w" in b else shapes[b["packed"]][0] // 2
+            mlps += [(child, b)] if shapes.get(b["down_w"]) == [h, inner] else []
     if len(norms) != 2:  # Gemma 2's sandwich norms and other arrangements compute something else
         return []
     out = []

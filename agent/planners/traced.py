@@ -170,9 +170,12 @@ def packed_gated_mlp(problem: Problem) -> list[dict]:
     nn.Linear matmuls, the first [2I, H] feeding the second [H', I] through an activation and a
     product. The trace does not see the split (a view), so both halves are offered as the gate,
     the first half first."""
-    g = problem.graph or {}
-    mms, shapes = g.get("matmuls") or [], _weights(problem)
-    if len(mms) != 2 or any(m["layout"] != "linear" for m in mms) or "mul" not in plain_ops(problem) \
+    return packed_gated_mlp_of((problem.graph or {}).get("matmuls") or [], _weights(problem), plain_ops(problem))
+
+
+def packed_gated_mlp_of(mms: list[dict], shapes: dict[str, list[int]], ops: set[str] | None) -> list[dict]:
+    """`packed_gated_mlp` from traced matmuls (a region's, or those of one child of it)."""
+    if len(mms) != 2 or any(m["layout"] != "linear" for m in mms) or "mul" not in (ops or ()) \
             or mms[0].get("feeds") != mms[1]["weight"] or mms[0].get("act") not in ("silu", "gelu", "gelu_tanh"):
         return []
     if shapes[mms[0]["weight"]][0] != 2 * shapes[mms[1]["weight"]][1]:
