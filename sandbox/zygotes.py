@@ -8,7 +8,8 @@ the worker's init writes its wait status into. Killing it kills its namespace's 
 that process's tree (sandbox/procs.py), which ends every process of the worker, whatever it
 ignores or forks. A fork server ends when the last handle that used it is closed and none of its
 workers is alive, when `stop_all` runs (exit, signals), or with the tuner (its jail dies with it);
-its workers die with it.
+its workers die with it. Its folder on the host goes with it, or, where the tuner was killed
+with SIGKILL, with the next tuner's first server (`sweep`).
 
 Requests never wait for the fork server's imports: a request is queued on its socket and its
 answer (the pidfd) read when the worker's pid is first needed, so workers started ahead of need
@@ -35,6 +36,8 @@ from sandbox import procs, protocol
 
 SERVER_FOLDER_BYTES = 64 << 20
 """The fork server's own jail folder (a tmpfs): it writes nothing there; each worker gets its own."""
+FOLDER_PREFIX = "nightshift-forkserver-"
+"""Each server's folder on the host (its log) is named `FOLDER_PREFIX<tuner pid>-...`."""
 
 
 class Zygote:
@@ -253,7 +256,8 @@ def fork(key: tuple, start: Callable[[int, str], subprocess.Popen], header: dict
             z.end()
             z = None
         if z is None:
-            folder = tempfile.mkdtemp(prefix="nightshift-forkserver-")
+            sweep()
+            folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
             ours, theirs = socket.socketpair()
             try:
                 proc = start(theirs.fileno(), folder)
@@ -300,7 +304,28 @@ def stop_all() -> int:
     for z in servers:
         z.ended = z.ended or "stopped"
         procs.kill_group(z.proc.pid)
+        shutil.rmtree(z.tmpdir, ignore_errors=True)
     return len(servers)
+
+
+def sweep(folder: str | None = None) -> int:
+    """Remove the server folders of tuners that are gone (killed with SIGKILL, their exit never
+    ran); the number removed. A folder whose tuner is alive, or that is not ours, stays."""
+    removed = 0
+    for path in Path(folder or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*"):
+        pid = path.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's: not ours to remove)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
 
 
 def running() -> int:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -218,9 +219,19 @@ def test_a_fork_server_ends_with_its_last_handle_and_with_the_tuner(tmp_path):
         while _processes_naming(tuner.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _processes_naming(tuner.pid) == []
+        # Its server's folder outlived it (no exit ran); the next server started sweeps it.
+        left = list(Path(tempfile.gettempdir()).glob(f"{zygotes.FOLDER_PREFIX}{tuner.pid}-*"))
+        assert left
+        assert zygotes.sweep() >= 1 and not any(p.exists() for p in left)
     finally:
         if tuner.poll() is None:
             tuner.kill()
+    # A tuner that exits leaves no folder: its exit stops the servers and removes theirs.
+    done = subprocess.Popen([sys.executable, "-c", code.replace("time.sleep(120)", "pass")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0 and out.strip() == "up", err[-2000:]
+    assert not list(Path(tempfile.gettempdir()).glob(f"{zygotes.FOLDER_PREFIX}{done.pid}-*"))
 
 
 def _processes_naming(parent: int) -> list[int]:

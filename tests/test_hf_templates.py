@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.planners.library import applicable, default_params, render
+from agent.planners.library import TEMPLATES, applicable, default_params, render
 from sandbox.runner import TrialRunner
 from tools.capture import RegionChoice, freeze
 from tools.modelfile import load_model
@@ -30,7 +30,7 @@ REGIONS = {
     "hf_mistral": ("MistralAttention", "MistralMLP", "MistralRMSNorm"),
     "hf_gpt2": ("GPT2Attention", "GPT2MLP", "LayerNorm"),
 }
-EXPECTED = {"Attention": "gqa_attention", "MLP": ("gated_mlp", "mlp"), "RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
+EXPECTED = {"Attention": "cache_attention", "MLP": ("gated_mlp", "mlp"), "RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
 TRIES = 4
 
 
@@ -52,15 +52,10 @@ def regions(tmp_path_factory):
     runner.close()
 
 
-CACHE_FED = pytest.mark.xfail(strict=True, reason=(
-    "issue 48, item 2: served over transformers' StaticCache, the attention's keys and values come from the "
-    "cache's update; no attention template takes a cache yet, so none binds (refused at binding, never a "
-    "template that would ignore the cache)"))
-
-
-@pytest.mark.parametrize("stem, region", [pytest.param(s, c, marks=[CACHE_FED] if c.endswith("Attention") else [])
-                                          for s, cs in REGIONS.items() for c in cs])
+@pytest.mark.parametrize("stem, region", [(s, c) for s, cs in REGIONS.items() for c in cs])
 def test_a_template_candidate_passes(regions, stem, region):
+    """Each region's first candidates, on all three workloads (prefill with an empty cache and no mask,
+    decode over the cache with a bool mask, a small batch after a cached prefix)."""
     problems, runner = regions
     problem = problems[(stem, region)]
     offered = applicable(problem)
@@ -69,26 +64,64 @@ def test_a_template_candidate_passes(regions, stem, region):
         [t.name for t, _ in offered]
     tried = []
     for template, binding in offered[:TRIES]:
-        trial = runner.run(Candidate(region=problem.name, source=render(template, binding, default_params(template)),
-                                     planner="template", template=template.name), do_time=False)
+        trial = _run(runner, problem, template, binding)
         tried.append((template.name, trial.status.value, trial.reason[:200]))
         if trial.status is Status.ok:
             return
     pytest.fail(f"no template candidate passed for {stem} {region}: {tried}")
 
 
-@CACHE_FED
+def _run(runner, problem, template, binding, **params):
+    source = render(template, binding, {**default_params(template), **params})
+    return runner.run(Candidate(region=problem.name, source=source, planner="template", template=template.name),
+                      do_time=False)
+
+
+def _cache_binding(problem) -> dict:
+    found = [b for t, b in applicable(problem) if t.name == "cache_attention"]
+    assert found, [t.name for t, _ in applicable(problem)]
+    return found[0]
+
+
+@pytest.mark.parametrize("stem", ["hf_llama", "hf_gpt2"])
+@pytest.mark.parametrize("params", [{"path": "sdpa"}, {"BLOCK_M": 16, "BLOCK_N": 16, "SPLITS": 4}],
+                         ids=["sdpa", "small_tiles"])
+def test_the_cache_templates_other_paths_pass_too(regions, stem, params):
+    """SDPA over the cache (is_causal without a mask, the mask otherwise, enable_gqa), and the Triton
+    kernels with small tiles (several query and key blocks, several decode splits to merge)."""
+    problems, runner = regions
+    problem = problems[(stem, REGIONS[stem][0])]
+    trial = _run(runner, problem, TEMPLATES["cache_attention"], _cache_binding(problem), **params)
+    assert trial.status is Status.ok, trial.reason[:500]
+
+
+def test_a_candidate_that_ignores_the_mask_fails_the_verifier(regions):
+    """Bound as if the calls passed no mask, the kernels attend causally from position 0 (prefill
+    right) and to every slot of the static cache at decode: the verifier must say wrong."""
+    problems, runner = regions
+    problem = problems[("hf_llama", "LlamaAttention")]
+    binding = {**_cache_binding(problem), "mask": None, "mask_dtypes": [], "mask_none": True}
+    trial = _run(runner, problem, TEMPLATES["cache_attention"], binding)
+    assert trial.status is Status.wrong, (trial.status, trial.reason[:300])
+
+
 def test_attention_bindings_come_from_the_trace(regions):
     problems, _ = regions
-    llama = [b for t, b in applicable(problems[("hf_llama", "LlamaAttention")]) if t.name == "gqa_attention"]
-    assert llama[0]["rope"] == "arg" and llama[0]["cos"] == "position_embeddings[0]"
-    assert (llama[0]["q_w"], llama[0]["o_w"]) == ("q_proj.weight", "o_proj.weight")
-    assert ["cache", "None"] in llama[0]["guards"]  # verified without a cache: refuses one
-    assert "hidden_states, position_embeddings=None" in llama[0]["signature"]
-    gpt2 = [b for t, b in applicable(problems[("hf_gpt2", "GPT2Attention")]) if t.name == "gqa_attention"][0]
+    llama = _cache_binding(problems[("hf_llama", "LlamaAttention")])
+    assert llama["rope"] == "arg" and llama["cos"] == "position_embeddings[0]"
+    assert (llama["q_w"], llama["o_w"]) == ("q_proj.weight", "o_proj.weight")
+    assert (llama["cache"], llama["mask"], llama["mask_dtypes"], llama["mask_none"]) == \
+        ("cache", "attention_mask", ["bool"], True)  # None at prefill, bool at decode and small batch
+    assert llama["scale"] == 0.25 and (llama["num_heads"], llama["num_kv_heads"]) == (4, 2)
+    assert not any(g[0] == "attention_mask" for g in llama["guards"])  # the mask is taken, not refused
+    assert "hidden_states, position_embeddings=None" in llama["signature"]
+    gpt2 = _cache_binding(problems[("hf_gpt2", "GPT2Attention")])
     assert (gpt2["packed"], gpt2["in_layout"], gpt2["rope"]) == ("c_attn.weight", "matmul", "none")
-    qwen3 = [b for t, b in applicable(problems[("hf_qwen3", "Qwen3Attention")]) if t.name == "gqa_attention"][0]
+    assert gpt2["mask"] == "attention_mask" and gpt2["mask_dtypes"] == ["bool"]
+    qwen3 = _cache_binding(problems[("hf_qwen3", "Qwen3Attention")])
     assert (qwen3["q_norm"], qwen3["k_norm"]) == ("q_norm", "k_norm")
+    for stem, classes in REGIONS.items():  # no template that would ignore the cache binds
+        assert {t.name for t, _ in applicable(problems[(stem, classes[0])])} == {"cache_attention"}
 
 
 GEMMA_NORM = '''

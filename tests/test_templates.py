@@ -34,8 +34,10 @@ from tools.problem import Problem, TensorSpec, Tolerance, Workload  # noqa: E402
 
 TOL = 1e-4
 # Attention over a KV cache takes the cache as in-place arguments: its templates are checked
-# on the example's frozen cache attention in tests/test_kv_cache.py, not on these one-input cases.
-CACHE_TEMPLATES = {"decode_attention", "prefill_attention"}
+# on the example's frozen cache attention in tests/test_kv_cache.py (cache_attention, over a
+# transformers Cache, in tests/test_hf_templates.py and tests/test_cache_attention.py), not on
+# these one-input cases.
+CACHE_TEMPLATES = {"decode_attention", "prefill_attention", "cache_attention"}
 TRACED_ONLY = {"decode_layer"}  # binds from a freeze's trace only: tests/test_decode_gemv.py
 ONE_INPUT = sorted(set(TEMPLATES) - CACHE_TEMPLATES - TRACED_ONLY)
 H, I, NH, NKV, HD, MAX_POS = 64, 96, 4, 2, 16, 32

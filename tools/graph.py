@@ -295,6 +295,7 @@ def attention_facts(nodes: list[dict], mms: list[dict]) -> dict | None:
             "mask_origin": mask["from"] if isinstance(mask, dict) else None,
             "is_causal": bool(n["kwargs"].get("is_causal", False)), "scale": n["kwargs"].get("scale"),
             "enable_gqa": bool(n["kwargs"].get("enable_gqa", False)),
+            "dropout": float(n["kwargs"].get("dropout_p", ops[4] if isinstance(ops[4], (int, float)) else 0.0) or 0.0),
             "out": after[0]["weight"] if after else None}
 
 
@@ -321,7 +322,10 @@ def _products(nodes: list[dict], mms: list[dict]) -> tuple[dict, dict, dict]:
         if n["op"] not in ("mul", "__mul__") or len(ops) != 2:
             continue
         for data, table in ((ops[0], ops[1]), (ops[1], ops[0])):
-            d = _op(data)
+            d, t = _op(data), _op(table)
+            if t is not None and nodes[t]["op"] == "add" and len(_operands(nodes[t])) == 1 \
+                    and _operands(nodes[t])[0]["from"].startswith("param:"):
+                table = _operands(nodes[t])[0]  # a Gemma-style norm's x * (1 + w): w is the norm's weight
             if d is None or not table["from"].startswith(("input:", "buffer:", "param:")):
                 continue
             nearest = max(ancestors(nodes, d) & set(mm_ops), default=None)

@@ -19,7 +19,8 @@ from tools.problem import Problem
 LEN_HINTS = ("len", "pos", "offset", "past")
 
 
-def _arg_name(path: str, names: list[str]) -> str | None:
+def arg_name(path: str, names: list[str]) -> str | None:
+    """The argument an in-place input path (`args.1`, `kwargs.cache`) names in the signature."""
     kind, _, key = path.partition(".")
     if kind == "kwargs":
         return key
@@ -52,7 +53,7 @@ def kv_cache_attention(problem: Problem) -> list[dict]:
         return []
     params = (problem.graph or {}).get("signature") or []
     names = [p["name"] for p in params]
-    caches = [_arg_name(p, names) for p in problem.inplace_inputs]
+    caches = [arg_name(p, names) for p in problem.inplace_inputs]
     lens = [n for n in names if n not in caches and any(h in n.lower() for h in LEN_HINTS)]
     if None in caches or not lens or len(names) < 4:
         return []

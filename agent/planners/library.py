@@ -22,7 +22,7 @@ from functools import cache
 import jinja2
 
 from agent.planners import bindings as rules
-from agent.planners import kv_cache
+from agent.planners import hf_cache, kv_cache
 from agent.planners import traced
 from agent.prompting import prompts_dir
 from tools.problem import Problem
@@ -42,14 +42,11 @@ class KernelTemplate:
     """Template variables this entry pins, for entries that share a file."""
     fits: Callable[[dict], bool] = lambda params: True
     """Whether a point of the space is worth compiling (shared memory, registers)."""
-    calls_writer: bool = False
-    """Calls the region's children as they are, the one writing a KV cache included: it may bind
-    a region that writes a cache (the verifier compares the cache with the original's)."""
 
     def bindings(self, problem: Problem) -> list[dict]:
         """Each rule's binding on top of how the candidate's forward is declared (the region's
         own signature, its main input, the argument values it was verified on)."""
-        if problem.inplace_inputs and self.name not in PHASE and not self.calls_writer:
+        if problem.inplace_inputs and self.name not in PHASE and self.name not in CACHE_WRITERS:
             return []  # a region writing a KV cache: only the templates that write it can compute it
         call = traced.call_vars(problem)
         if call is None:
@@ -199,6 +196,17 @@ _ALL += [
                    "Attention over a KV cache (written in place): causal flash-attention Triton kernel with "
                    "the cache offset for prompts, SDPA over the cache for one new token.", fits=_flash_fits),
 ]
+# transformers' attention over its own Cache object, with the masks the model passes.
+# bound "positions" (keys up to kwargs['cache_position']) is not offered: transformers 5's caches write
+# at their own count, and the verifier's fresh cache_position draws showed it wrong on every model.
+CACHE_SPACE = {"path": ("triton", "sdpa"), "bound": ("mask",), **PREFILL_SPACE,
+               "SPLITS": DECODE_SPACE["SPLITS"]}
+_ALL += [
+    KernelTemplate("cache_attention", "kernels/cache_attention.py.j2", CACHE_SPACE, hf_cache.cache_fed_attention,
+                   "transformers attention over its Cache (written by cache.update): split-KV decode and "
+                   "flash-style Triton kernels reading the call's mask, or SDPA; GQA without copies.",
+                   fits=_flash_fits),
+]
 # Decode GEMVs with what surrounds them fused in (issue 48): the small-M path up to MAX_M rows,
 # cuBLAS (or the children as they are) above it, inside one candidate.
 DECODE_GEMV_SPACE = {**SKINNY_SPACE, "SPLIT_K": (4, 1, 2, 8, 16), "MAX_M": (64, 32, 16),
@@ -211,7 +219,7 @@ _ALL += [
     KernelTemplate("decode_layer", "kernels/decode_layer.py.j2", DECODE_GEMV_SPACE, rules.fused_decoder_layer,
                    "Pre-norm decoder layer, decode-fused: attention child as it is; residual add + RMSNorm in "
                    "the gate/up GEMV's prologue, act(g)*u and the second residual in the down GEMV.",
-                   fits=_skinny_fits(2), calls_writer=True),
+                   fits=_skinny_fits(2)),
     KernelTemplate("decode_ffn", "kernels/decode_ffn.py.j2",
                    {k: v for k, v in DECODE_GEMV_SPACE.items() if k != "act_at"}, rules.mlp,
                    "Two-layer MLP (nn.Linear or Conv1D), decode-fused: up to MAX_M rows two GEMVs, bias and "
@@ -220,6 +228,9 @@ _ALL += [
 TEMPLATES: dict[str, KernelTemplate] = {t.name: t for t in _ALL}
 PHASE = {"decode_attention": "decode", "prefill_attention": "prefill"}
 """Templates written for one phase of a workload mix: the heavier phase's goes first."""
+CACHE_WRITERS = {"cache_attention", "decode_layer"}
+"""Templates that write a transformers Cache object in place (by its own update, or decode_layer by
+the attention child it calls as it is)."""
 
 
 def applicable(problem: Problem) -> list[tuple[KernelTemplate, dict]]:
