@@ -38,7 +38,8 @@ TOL = 1e-4
 # transformers Cache, in tests/test_hf_templates.py and tests/test_cache_attention.py), not on
 # these one-input cases.
 CACHE_TEMPLATES = {"decode_attention", "prefill_attention", "cache_attention"}
-ONE_INPUT = sorted(set(TEMPLATES) - CACHE_TEMPLATES)
+TRACED_ONLY = {"decode_layer"}  # binds from a freeze's trace only: tests/test_decode_gemv.py
+ONE_INPUT = sorted(set(TEMPLATES) - CACHE_TEMPLATES - TRACED_ONLY)
 H, I, NH, NKV, HD, MAX_POS = 64, 96, 4, 2, 16, 32
 
 
@@ -169,10 +170,13 @@ RIGHT = {
     "gated_mlp": ("mlp", {"gate_w": "gate_proj.weight", "up_w": "up_proj.weight", "act": "silu"}),
     "mlp_dual_gemm": ("mlp", {"gate_w": "gate_proj.weight", "up_w": "up_proj.weight", "act": "silu"}),
     "skinny_mlp": ("mlp", {"gate_w": "gate_proj.weight", "up_w": "up_proj.weight", "act": "silu"}),
+    "decode_mlp": ("mlp", {"gate_w": "gate_proj.weight", "up_w": "up_proj.weight", "act": "silu"}),
     "linear_act": ("linear_gelu", {"bias": "fc.bias", "act": "gelu"}),
     "mlp": ("ffn", {"w1": "fc_w", "b1": "fc_b", "b2": "proj_b", "layout1": "matmul", "layout2": "matmul",
             "act": "gelu_tanh"}),
     "skinny_linear": ("linear_gelu", {"bias": "fc.bias", "act": "gelu"}),
+    "decode_ffn": ("ffn", {"w1": "fc_w", "b1": "fc_b", "b2": "proj_b", "layout1": "matmul", "layout2": "matmul",
+                   "act": "gelu_tanh"}),
     "rope_attention": ("attention", {"q_w": "q_proj.weight", "k_w": "k_proj.weight",
                                      "cos": "cos_cached", "o_w": "o_proj.weight", "causal": True}),
     "gqa_attention": ("attention", {"q_w": "q_proj.weight", "k_w": "k_proj.weight",
@@ -192,6 +196,8 @@ EXTRA_POINTS = {
     "mlp": [{"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 1}],
     "skinny_linear": [{"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3}, {"SPLIT_K": 1}],
     "skinny_mlp": [{"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, {"SPLIT_K": 1}],
+    "decode_mlp": [{"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2, "act_at": "prologue"}, {"MAX_M": 4}],
+    "decode_ffn": [{"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, {"MAX_M": 4}],
     "rope_attention": [{"HEADS": 1, "out_layout": "bshd"}],
     "gqa_attention": [{"HEADS": 2, "qkv": "separate", "out_layout": "bshd"}],
 }
@@ -256,16 +262,16 @@ def test_applicability_follows_shapes(problems):
     names = {case: {t.name for t, _ in applicable(p)} for case, p in problems.items()}
     assert {"rmsnorm", "layernorm"} <= names["rmsnorm"] and "softmax" not in names["rmsnorm"]
     assert names["softmax"] == {"softmax"}
-    assert names["mlp"] == {"gated_mlp", "mlp_dual_gemm", "skinny_mlp"}
+    assert names["mlp"] == {"gated_mlp", "mlp_dual_gemm", "skinny_mlp", "decode_mlp"}
     assert names["attention"] == {"rope_attention", "gqa_attention"}
     assert names["decoder"] == {"add_rmsnorm"}
     assert names["linear_gelu"] == {"linear_act", "skinny_linear"}
-    assert names["ffn"] == {"mlp"}
+    assert names["ffn"] == {"mlp", "decode_ffn"}
     # Prefill-shaped workloads (many rows) get no decode-shaped GEMV.
     torch.manual_seed(0)
     mlp = MLP(H, I)
     prefill = problem_for(mlp, torch.randn(4, 32, H), torch.randn(1, 8, H))
-    assert {t.name for t, _ in applicable(prefill)} == {"gated_mlp", "mlp_dual_gemm"}
+    assert {t.name for t, _ in applicable(prefill)} == {"gated_mlp", "mlp_dual_gemm", "decode_mlp"}  # cuBLAS above MAX_M
 
 
 def test_bindings_take_constants_from_attributes(problems):

@@ -17,6 +17,7 @@ same.
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ from tools.corpus import CorpusFolder, is_corpus
 from tools.runfolder import RunFolder
 
 KERNELS_SUFFIX = "_nightshift"
+KEEPS_DERIVED = re.compile(r"module\.__dict__\[[^\]]+\]\s*=[^=]|module\.\w+\s*=[^=]")
+"""A candidate that stores something on the module (a cached concatenated weight: `_cached_cat`)."""
 
 
 @dataclass
@@ -208,7 +211,8 @@ def apply_run(run_path: Path, regions: list[str] | None = None, dry_run: bool = 
                       for p in parts]
     with open(model, newline="") as f:
         model_text = f.read()
-    old, new = patched_lines(model_text, kernels_name, run.run_id, model)
+    derived = [p.winner.region for p in parts if KEEPS_DERIVED.search(p.winner.source)]
+    old, new = patched_lines(model_text, kernels_name, run.run_id, model, derived)
     if not model_unchanged(old, info.model_hash):
         result.warnings.append(f"{model.name} changed since the run froze it; the tuned regions were verified "
                                "against the earlier version")

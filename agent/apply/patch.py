@@ -16,9 +16,17 @@ BLOCK_MARK = "# nightshift: route tuned regions through"
 BLOCK_END = "_nightshift_install(globals())"
 
 
-def routing_block(kernels_file: str, run_id: str) -> list[str]:
+def routing_block(kernels_file: str, run_id: str, derived: list[str] = ()) -> list[str]:
+    """The block's lines; `derived`: regions whose kernels keep weights derived from the module's
+    parameters (a concatenated [q; k; v] or [gate; up]), which the block then says in a line."""
+    keeps = [f"# {', '.join(derived)}: weights derived from the parameters (a concatenated [q; k; v] or [gate; up]) "
+             "are built on first use and kept as plain attributes, rebuilt when a parameter changes, never "
+             "registered: state_dict() keys stay the original ones and an original checkpoint loads "
+             "(load_state_dict(strict=True))."] \
+        if derived else []
     return [
         f"{BLOCK_MARK} {kernels_file} (run {run_id})",
+        *keeps,
         "# Loaded by file path from next to this file rather than by `import`: that works however",
         "# this file is imported (by path under another module name, as KernelBench harnesses and",
         "# nightshift do, from a package, or run as a script), whatever characters its name holds,",
@@ -62,11 +70,12 @@ def find_block(lines: list[str]) -> tuple[int, int] | None:
     return start, end
 
 
-def patched_lines(text: str, kernels_file: str, run_id: str, path: Path) -> tuple[list[str], list[str]]:
+def patched_lines(text: str, kernels_file: str, run_id: str, path: Path,
+                  derived: list[str] = ()) -> tuple[list[str], list[str]]:
     """(old lines, new lines) of the model file, with ends kept."""
     nl = "\r\n" if "\r\n" in text else "\n"
     old = text.splitlines(keepends=True)
-    block = [ln + nl for ln in routing_block(kernels_file, run_id)]
+    block = [ln + nl for ln in routing_block(kernels_file, run_id, derived)]
     found = find_block(old)
     if found is not None:  # already has a block: bring it up to date (usually: unchanged)
         start, end = found

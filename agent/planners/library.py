@@ -207,11 +207,30 @@ _ALL += [
                    "flash-style Triton kernels reading the call's mask, or SDPA; GQA without copies.",
                    fits=_flash_fits),
 ]
+# Decode GEMVs with what surrounds them fused in (issue 48): the small-M path up to MAX_M rows,
+# cuBLAS (or the children as they are) above it, inside one candidate.
+DECODE_GEMV_SPACE = {**SKINNY_SPACE, "SPLIT_K": (4, 1, 2, 8, 16), "MAX_M": (64, 32, 16),
+                     "act_at": ("epilogue", "prologue")}
+_ALL += [
+    KernelTemplate("decode_mlp", "kernels/decode_mlp.py.j2", DECODE_GEMV_SPACE,
+                   lambda p: rules.gated_mlp(p) or traced.packed_gated_mlp(p),
+                   "Gated MLP, decode-fused: up to MAX_M rows one GEMV streams the cached [gate; up] "
+                   "weight with act(g)*u fused, then a split-K down GEMV; cuBLAS above.", fits=_skinny_fits(2)),
+    KernelTemplate("decode_layer", "kernels/decode_layer.py.j2", DECODE_GEMV_SPACE, rules.fused_decoder_layer,
+                   "Pre-norm decoder layer, decode-fused: attention child as it is; residual add + RMSNorm in "
+                   "the gate/up GEMV's prologue, act(g)*u and the second residual in the down GEMV.",
+                   fits=_skinny_fits(2)),
+    KernelTemplate("decode_ffn", "kernels/decode_ffn.py.j2",
+                   {k: v for k, v in DECODE_GEMV_SPACE.items() if k != "act_at"}, rules.mlp,
+                   "Two-layer MLP (nn.Linear or Conv1D), decode-fused: up to MAX_M rows two GEMVs, bias and "
+                   "activation in the first's epilogue, split-K second; cuBLAS above.", fits=_skinny_fits(1)),
+]
 TEMPLATES: dict[str, KernelTemplate] = {t.name: t for t in _ALL}
 PHASE = {"decode_attention": "decode", "prefill_attention": "prefill"}
 """Templates written for one phase of a workload mix: the heavier phase's goes first."""
-CACHE_WRITERS = {"cache_attention"}
-"""Templates that write a transformers Cache object in place (by its own update)."""
+CACHE_WRITERS = {"cache_attention", "decode_layer"}
+"""Templates that write a transformers Cache object in place (by its own update, or decode_layer by
+the attention child it calls as it is)."""
 
 
 def applicable(problem: Problem) -> list[tuple[KernelTemplate, dict]]:

@@ -149,7 +149,11 @@ def linear(problem: Problem) -> list[dict] | None:
 def gated_mlp(problem: Problem) -> list[dict]:
     """down(act(gate(x)) * up(x)) with nn.Linear layouts: gate is the matmul whose output passes
     an activation on its way into down, up the one that goes in unchanged."""
-    mms = (problem.graph or {}).get("matmuls") or []
+    return gated_mlp_of((problem.graph or {}).get("matmuls") or [])
+
+
+def gated_mlp_of(mms: list[dict]) -> list[dict]:
+    """`gated_mlp` from traced matmuls (a region's, or those of one child of it)."""
     if len(mms) != 3 or any(m["layout"] != "linear" for m in mms):
         return []
     down = mms[2]
@@ -159,6 +163,25 @@ def gated_mlp(problem: Problem) -> list[dict]:
         return []
     return [{"gate_w": gate[0]["weight"], "gate_b": gate[0]["bias"], "up_w": up[0]["weight"], "up_b": up[0]["bias"],
              "down_w": down["weight"], "down_b": down["bias"], "act": gate[0]["act"]}]
+
+
+def packed_gated_mlp(problem: Problem) -> list[dict]:
+    """down(act(g) * u) with g and u the two halves of ONE projection (Phi-3's gate_up_proj): two
+    nn.Linear matmuls, the first [2I, H] feeding the second [H', I] through an activation and a
+    product. The trace does not see the split (a view), so both halves are offered as the gate,
+    the first half first."""
+    return packed_gated_mlp_of((problem.graph or {}).get("matmuls") or [], _weights(problem), plain_ops(problem))
+
+
+def packed_gated_mlp_of(mms: list[dict], shapes: dict[str, list[int]], ops: set[str] | None) -> list[dict]:
+    """`packed_gated_mlp` from traced matmuls (a region's, or those of one child of it)."""
+    if len(mms) != 2 or any(m["layout"] != "linear" for m in mms) or "mul" not in (ops or ()) \
+            or mms[0].get("feeds") != mms[1]["weight"] or mms[0].get("act") not in ("silu", "gelu", "gelu_tanh"):
+        return []
+    if shapes[mms[0]["weight"]][0] != 2 * shapes[mms[1]["weight"]][1]:
+        return []
+    return [{"packed": mms[0]["weight"], "packed_b": mms[0]["bias"], "gate_first": first, "down_w": mms[1]["weight"],
+             "down_b": mms[1]["bias"], "act": mms[0]["act"]} for first in (True, False)]
 
 
 def mlp(problem: Problem) -> list[dict]:
