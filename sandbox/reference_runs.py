@@ -11,8 +11,8 @@ from sandbox import worker_tensors as T
 
 
 def refs(w: Any, req: dict) -> tuple[dict, Any]:
-    """The original's outputs on fresh inputs ({set, seed}) and, with `perturb`, on a frozen
-    set with the region's parameters moved by `perturbed(seed)`."""
+    """The original's outputs on fresh inputs ({set, seed}) and, with `perturb` ({sets, seed}),
+    on each of those frozen sets with the region's parameters moved by `perturbed(seed)`."""
     from tools.region import flatten
     p = w.problems[req["problem"]]
     region, fwd = p["region"], p["forward"]
@@ -24,9 +24,11 @@ def refs(w: Any, req: dict) -> tuple[dict, Any]:
         if req.get("perturb"):
             spec = req["perturb"]
             moved = T.perturbed(region, int(spec["seed"]))
-            args, kwargs = w._device_set(p, spec["set"])
-            out["perturbed"] = [None if t is None else T.plain_tensor(t)
-                                for t in flatten(fwd(moved, *args, **kwargs))[0]]
+            out["perturbed"] = []
+            for i in spec["sets"]:
+                args, kwargs = w._device_set(p, i)
+                out["perturbed"].append([None if t is None else T.plain_tensor(t)
+                                         for t in flatten(fwd(moved, *args, **kwargs))[0]])
             del moved
     w._sync()
     return {}, out

@@ -323,7 +323,9 @@ class TrialRunner:
         n = len(lp.reference)
         s_fresh, s_perturb = self.verify_seeds or self._seed_set(c.region)
         fresh = [{"set": i, "seed": s_fresh + 7 * i} for i in range(n)]
-        perturb = {"set": _smallest_set(p), "seed": s_perturb}
+        # Every set, not one: a candidate may take another path per shape (a decode GEMV below
+        # some row count) and ignore a parameter only there.
+        perturb = {"sets": list(range(n)), "seed": s_perturb}
         out_bytes = [[t.numel() * t.element_size() for t in ref["outputs"] if t is not None] for ref in lp.reference]
         t_wait = time.monotonic()
         self.step("waiting for the device")
@@ -353,7 +355,7 @@ class TrialRunner:
             return None, self.failed(c, lp, Reply(False, status="crash", error="the worker sent incomplete outputs"))
         ev = verify.Evidence(reference=lp.reference, effects=reg.effects, fresh=refs.tensors["fresh"],
                              fresh_sets=[f["set"] for f in fresh], perturbed=refs.tensors["perturbed"],
-                             perturbed_set=perturb["set"], pre_inputs=_pre_inputs(lp, reg))
+                             perturbed_sets=perturb["sets"], pre_inputs=_pre_inputs(lp, reg))
         t_judge = time.monotonic()
         with self.host_quiet.busy():
             verdict = verify.judge(p, ev, reply.header, runs, self.device.split(":")[0])
@@ -408,11 +410,6 @@ def _pre_inputs(lp: LoadedProblem, reg) -> list | None:
     if lp.pre_inputs is None:
         lp.pre_inputs = lp.problem.load_tensors(lp.folder, inputs=True, state=False)[0]
     return lp.pre_inputs
-
-
-def _smallest_set(p: Problem) -> int:
-    sizes = [sum(s.nbytes for s in w.inputs) for w in p.workloads]
-    return sizes.index(min(sizes)) if sizes else 0
 
 
 def _complete(runs: dict, header: dict, n: int) -> bool:

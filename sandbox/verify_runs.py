@@ -113,9 +113,9 @@ def run(w: Any, req: dict) -> tuple[dict, Any]:
             saved = {n: T.snap(t) for n, t in own.items() if n in want}
             for n in saved:
                 own[n].copy_(want[n])
-            args, kwargs = w._device_set(p, spec["set"])
             try:
-                call("perturbed", module, args, kwargs, None, [])
+                for i in spec["sets"]:
+                    call(f"perturbed {i}", module, *w._device_set(p, i), None, [])
                 w._sync()
                 moved = [n for n in saved if not T.same_bits(own[n], want[n])]
             finally:

@@ -130,20 +130,15 @@ def test_the_layer_binding_comes_from_the_trace_and_knows_gemma(hf):
     assert (gemma["act"], gemma["unit_offset"]) == ("gelu_tanh", True)
 
 
-ONE_SET_PERTURBED = pytest.mark.xfail(strict=True, reason=(
-    "the verifier moves the parameters on one input set only, the smallest (prefill here, which MAX_M 8 "
-    "leaves on cuBLAS); transformers initializes norm weights to ones, so a decode-only path that drops the "
-    "norm weight is right on the frozen parameters and never meets the moved ones"))
-
-
 @pytest.mark.parametrize("broken, params, verdict", [
     ("residual", DECODE_ON_GEMV, Status.wrong),
     ("norm", MLP_ON_GEMV, Status.ignored_parameter),
-    pytest.param("norm", DECODE_ON_GEMV, Status.ignored_parameter, marks=ONE_SET_PERTURBED)],
+    ("norm", DECODE_ON_GEMV, Status.ignored_parameter)],
     ids=["residual", "norm-every-workload-fused", "norm-decode-only-fused"])
 def test_the_verifier_rejects_a_decode_path_that_drops_a_fusion(hf, broken, params, verdict):
     """The checks can fail: the fused path without the second residual add is wrong; without the
-    post-attention norm's weight (ones at init) it is caught once the parameters move."""
+    post-attention norm's weight (ones at init) it is caught once the parameters move, also where
+    only decode takes the fused path (the parameters are moved on every input set)."""
     problems, runner = hf
     problem, _ = problems[("hf_llama", "DecoderLayer")]
     _, source = _candidate(problem, "decode_layer", params)

@@ -183,9 +183,9 @@ class Evidence:
     fresh: list[list] = field(default_factory=list)
     """The original's outputs on the fresh input sets of this trial, in the order asked."""
     fresh_sets: list[int] = field(default_factory=list)
-    perturbed: list | None = None
-    """The original's outputs with perturbed parameters on frozen set `perturbed_set`."""
-    perturbed_set: int = 0
+    perturbed: list[list] | None = None
+    """The original's outputs with perturbed parameters on the frozen sets `perturbed_sets`, in order."""
+    perturbed_sets: list[int] = field(default_factory=list)
     pre_inputs: list | None = None
     """The frozen input sets (the state before the call), where the problem declares in-place
     outputs: what the original leaves untouched there must stay untouched."""
@@ -220,7 +220,8 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
                 return Verdict(Status.shape, f"input set {i}: {bad}")
     extra = [(f"fresh {ev.fresh_sets[k]}", m, reference[ev.fresh_sets[k]], ev.fresh_sets[k])
              for k, m in enumerate(metas.get("fresh", []))]
-    extra += [("perturbed", m, reference[ev.perturbed_set], ev.perturbed_set) for m in metas.get("perturbed", [])]
+    extra += [(f"perturbed {ev.perturbed_sets[k]}", m, reference[ev.perturbed_sets[k]], ev.perturbed_sets[k])
+              for k, m in enumerate(metas.get("perturbed", [])[:len(ev.perturbed_sets)])]
     for label, m, ref, i in extra:
         bad = check_structure(m, ref, device_type, layout(i))
         if bad:
@@ -300,20 +301,23 @@ def judge(problem: Problem, ev: Evidence, report: dict, runs: dict, device_type:
             return Verdict(Status.hardcoded, f"within tolerance on the frozen inputs but error {err:.3g} > tolerance "
                            f"{_said(scaled, tol)} on fresh inputs drawn from input set {i}: the answer does not come "
                            "from the inputs", *_failed(d, scaled), fresh_error=err)
-    if ev.perturbed is not None:
-        i = ev.perturbed_set
-        tol = problem.tolerance_for(i)
-        got = (runs.get("perturbed") or [None])[0]
-        d = diff(got, ev.perturbed) if got is not None and len(got) == len(ev.perturbed) else None
+    got_all, want_all = runs.get("perturbed") or [], ev.perturbed or []
+    for k, i in enumerate(ev.perturbed_sets if ev.perturbed is not None else []):
+        tol, got, want = problem.tolerance_for(i), _at(got_all, k), _at(want_all, k)
+        d = diff(got, want) if got is not None and want is not None and len(got) == len(want) else None
         scaled = _scaled(tol, d.ref_max if d else 0.0, reference[i])
         err = math.inf if d is None or d.bad_nonfinite else d.error(scaled)
         if err > scaled.value:
-            return Verdict(Status.ignored_parameter, f"within tolerance with the frozen parameters but error {err:.3g} "
+            return Verdict(Status.ignored_parameter, f"input set {i}: within tolerance with the frozen parameters but error {err:.3g} "
                            f"> tolerance {_said(scaled, tol)} with perturbed ones: the answer does not follow the "
                            "module's parameters (one is ignored, assumed to be 1 or 0, or kept from an earlier call: "
                            "they were changed in place, so key a derived copy on each tensor's _version)",
                            *_failed(d, scaled), fresh_error=fresh_err)
     return Verdict(Status.ok, "within tolerance", *_numbers(worst, worst_tol), fresh_error=fresh_err, per_set=per_set)
+
+
+def _at(items: list, k: int):
+    return items[k] if k < len(items) else None
 
 
 def judge_outputs(problem: Problem, set_index: int, got: list | None, expected: list) -> float:

@@ -22,7 +22,7 @@ from functools import cache
 import jinja2
 
 from agent.planners import bindings as rules
-from agent.planners import hf_cache, kv_cache
+from agent.planners import hf_cache, kv_cache, layer_rules
 from agent.planners import traced
 from agent.prompting import prompts_dir
 from tools.problem import Problem
@@ -216,7 +216,7 @@ _ALL += [
                    lambda p: rules.gated_mlp(p) or traced.packed_gated_mlp(p),
                    "Gated MLP, decode-fused: up to MAX_M rows one GEMV streams the cached [gate; up] "
                    "weight with act(g)*u fused, then a split-K down GEMV; cuBLAS above.", fits=_skinny_fits(2)),
-    KernelTemplate("decode_layer", "kernels/decode_layer.py.j2", DECODE_GEMV_SPACE, rules.fused_decoder_layer,
+    KernelTemplate("decode_layer", "kernels/decode_layer.py.j2", DECODE_GEMV_SPACE, layer_rules.fused_decoder_layer,
                    "Pre-norm decoder layer, decode-fused: attention child as it is; residual add + RMSNorm in "
                    "the gate/up GEMV's prologue, act(g)*u and the second residual in the down GEMV.",
                    fits=_skinny_fits(2)),
