@@ -23,7 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from sandbox import procs, protocol, zygotes
+from sandbox import jail, procs, protocol, zygotes
 from sandbox.spawn import (_SPAWNED, _SPAWNER, Reply, WorkerConfig, _adopt, _launch, drop_spares,  # noqa: F401
                            kill_process, prestart)
 
@@ -105,8 +105,13 @@ class Worker:
             return Reply(False, status="crash", error=f"worker did not start: {e}\n{tail}")
         if not self.hello.get("ok"):
             tail = self.log_tail()
+            forked = isinstance(self.proc, zygotes.ForkedProc)
             self.kill()
-            return Reply(False, status="crash", error=f"{self.hello.get('error', 'worker refused to start')}\n{tail}")
+            error = f"{self.hello.get('error', 'worker refused to start')}\n{tail}"
+            if forked and not jail.forking():  # e.g. the GPU not usable in forked namespaces: exec from now on
+                jail.FORK_FAILED.append(error)
+                return self.start()
+            return Reply(False, status="crash", error=error)
         self.hello["isolation"] = {**self.hello.get("isolation", {}), "jail": self.isolation}
         if isinstance(self.proc, zygotes.ForkedProc):  # forked, or (CUDA in the server) forked then exec'd
             self.hello["isolation"]["start"] = self.proc.started_by()

@@ -189,11 +189,19 @@ FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETPCAP")
 namespaces of its own: mounts, the loopback, the bounding set. No worker keeps any."""
 
 
+FORK_FAILED: list[str] = []
+"""Why a forked worker refused to start in this process (its hello said, e.g. no CUDA in its
+namespaces): every later worker is started afresh (sandbox/client.py retries that one so)."""
+
+
 def forking() -> str:
     """'' if jailed workers are forked from a fork server here (sandbox/forkserver.py); else why
-    each starts afresh: turned off, no jail, or a forked dummy that could not be isolated."""
+    each starts afresh: turned off, no jail, a forked dummy that could not be isolated, or a
+    forked worker that refused to start."""
     if os.environ.get(FORK_ENV, "1") == "0":
         return f"turned off ({FORK_ENV}=0)"
+    if FORK_FAILED:
+        return f"a forked worker refused to start here: {FORK_FAILED[0][:300]}"
     why = bwrap_works()
     if why:
         return f"no jail ({why})"

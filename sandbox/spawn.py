@@ -205,7 +205,8 @@ def _adopt(cfg: WorkerConfig) -> _Launched | None:
         waiting = _SPARES.get(_key(cfg), [])
         while waiting:
             spare = waiting.pop(0)
-            if spare.proc.poll() is None:
+            forked_in_vain = jail.FORK_FAILED and isinstance(spare.proc, zygotes.ForkedProc)
+            if spare.proc.poll() is None and not forked_in_vain:
                 return spare
             _end(spare)
     return None

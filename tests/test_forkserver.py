@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import jail, procs, zygotes
+from sandbox import jail, procs, spawn, zygotes
 from sandbox.client import Worker, WorkerConfig
 from sandbox.runner import Limits, TrialRunner
 from tools.trial import Candidate, Status
@@ -302,3 +302,24 @@ def test_hostile_candidates_get_their_status_on_the_exec_path_too(name, frozen_r
         assert trial.status.value in declared, (trial.status, trial.error_text[-800:])
     finally:
         r.close()
+
+
+@FORKS
+def test_a_forked_worker_that_refuses_to_start_turns_forking_off_and_its_start_execs(monkeypatch):
+    """A forked worker whose hello refuses (here: a CUDA worker on a machine without one; on a
+    GPU machine, a device its namespaces cannot open) is not the end of the run: forking is off
+    for the rest of the process, with the reason where `agent doctor` reads it, and the same
+    start is tried once afresh."""
+    monkeypatch.setattr(jail, "FORK_FAILED", [])
+    started: list[str] = []
+    real = spawn._spawn
+    monkeypatch.setattr(spawn, "_spawn", lambda argv, **kw: started.append(" ".join(argv)) or real(argv, **kw))
+    worker = Worker(WorkerConfig(device="cuda"))
+    try:
+        got = worker.start()
+    finally:
+        worker.close()
+    assert not got.ok and "CUDA is not available in the worker" in got.error, got.error[-500:]
+    assert jail.forking().startswith("a forked worker refused to start here: CUDA is not available")
+    kinds = ["server" if "sandbox.forkserver" in a else "worker" if "sandbox.worker" in a else a for a in started]
+    assert kinds == ["server", "worker"], started  # forked first, then the one exec'd retry
