@@ -56,6 +56,20 @@ def test_a_mask_the_kernels_cannot_read_gets_no_binding(llama, change, why):
     assert why in hf_cache.refusal(p)
 
 
+def test_the_report_says_which_template_refused_a_region_and_why(llama):
+    """A refusal is said where the user reads about the region, not only left out of the search;
+    regions of other kinds get no such line (a decoder layer around an attention, an MLP)."""
+    from agent.planners.library import refusals
+    from agent.report.view import _refused
+    assert refusals(llama) == [] and _refused(llama) == ""
+    p = _with_mask(llama, "decode", shape=[4, 2, 1, 32])
+    assert refusals(p) == [f"cache_attention: {hf_cache.refusal(p)}"]
+    assert _refused(p).startswith(" No template candidate from cache_attention: workload decode: mask [4, 2, 1, 32]")
+    layer = p.model_copy(deep=True)
+    layer.attributes = {k: v for k, v in layer.attributes.items() if "head" not in k}  # a layer's own attributes
+    assert refusals(layer) == [] and hf_cache.refusal(layer)
+
+
 def test_a_per_head_float_bias_binds(llama):
     """An additive float mask per query head (ALiBi-like) is read with the head's stride."""
     p = _with_mask(llama, "decode", dtype="float32", shape=[4, 4, 1, 32])

@@ -41,6 +41,16 @@ def refusal(problem: Problem) -> str | None:
     return found if isinstance(found, str) else None
 
 
+def refusal_for_cache_fed(problem: Problem) -> str | None:
+    """`refusal`, for attention modules fed a transformers Cache object only (one in-place input, a
+    traced SDPA call, head counts among the module's own attributes: not a decoder layer around
+    one); None for any other region."""
+    heads = any("head" in k and "." not in k and isinstance(v, int) for k, v in problem.attributes.items())
+    if len(problem.inplace_inputs) != 1 or not (problem.graph or {}).get("attention") or not heads:
+        return None
+    return refusal(problem)
+
+
 def _count(item: dict) -> int | None:
     """Tensors an argument flattens to (None: a frozen object, whose count the inputs tell)."""
     kind = item.get("kind")

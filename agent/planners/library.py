@@ -42,6 +42,9 @@ class KernelTemplate:
     """Template variables this entry pins, for entries that share a file."""
     fits: Callable[[dict], bool] = lambda params: True
     """Whether a point of the space is worth compiling (shared memory, registers)."""
+    why_not: Callable[[Problem], str | None] = lambda problem: None
+    """Why a region of the kind this template is written for gets no binding (the report says it);
+    None for a region of another kind, or one it binds."""
 
     def bindings(self, problem: Problem) -> list[dict]:
         """Each rule's binding on top of how the candidate's forward is declared (the region's
@@ -205,7 +208,7 @@ _ALL += [
     KernelTemplate("cache_attention", "kernels/cache_attention.py.j2", CACHE_SPACE, hf_cache.cache_fed_attention,
                    "transformers attention over its Cache (written by cache.update): split-KV decode and "
                    "flash-style Triton kernels reading the call's mask, or SDPA; GQA without copies.",
-                   fits=_flash_fits),
+                   fits=_flash_fits, why_not=hf_cache.refusal_for_cache_fed),
 ]
 # Decode GEMVs with what surrounds them fused in (issue 48): the small-M path up to MAX_M rows,
 # cuBLAS (or the children as they are) above it, inside one candidate.
@@ -231,6 +234,11 @@ PHASE = {"decode_attention": "decode", "prefill_attention": "prefill"}
 CACHE_WRITERS = {"cache_attention", "decode_layer"}
 """Templates that write a transformers Cache object in place (by its own update, or decode_layer by
 the attention child it calls as it is)."""
+
+
+def refusals(problem: Problem) -> list[str]:
+    """'template: why' for each template written for this kind of region that refused it."""
+    return [f"{t.name}: {why}" for t in TEMPLATES.values() if (why := t.why_not(problem))]
 
 
 def applicable(problem: Problem) -> list[tuple[KernelTemplate, dict]]:

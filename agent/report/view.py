@@ -307,13 +307,23 @@ def floor_rows(res: IntegrationResult, ways: list[str]) -> tuple[list[WaysRow], 
     return rows, ""
 
 
+def _refused(problem) -> str:
+    """Templates written for this kind of region that refused it, and why (a mask they cannot read).
+    Only cache-fed regions have such templates: others skip the library's import (it imports torch)."""
+    if not problem.inplace_inputs:
+        return ""
+    from agent.planners.library import refusals
+    said = refusals(problem)
+    return f" No template candidate from {'; '.join(said)}." if said else ""
+
+
 def region(data: ReportData, r: RegionView) -> Region:
     p, b = r.problem, r.best
     tolerance = str(p.tolerance)
     facts = dict(name=p.name, region_class=p.region_class, share=f"{p.share_of_model:.0%}", tolerance=tolerance,
                  tolerance_source=p.tolerance_source, trials=str(sum(r.counts.values())),
                  passed=str(r.counts.get("ok", 0)), kept=str(r.kept), generations=", ".join(r.gens) or "-",
-                 state=region_state(sum(r.counts.values()), r.counts.get("ok", 0), r.kept))
+                 state=region_state(sum(r.counts.values()), r.counts.get("ok", 0), r.kept) + _refused(p))
     if not b:
         return Region(**facts, best="-", per_generation="-", error=Mark(f"- / {tolerance}"), planner="-",
                       template="-", winner=None)
