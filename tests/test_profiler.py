@@ -339,9 +339,9 @@ def test_the_roofline_floor_counts_only_the_attention_a_kernel_cannot_skip():
     """torch counts fused attention as every query against every key; the floor (a lower bound:
     a candidate below it is refused as impossible) counts half for a causal call and the share
     of keys an additive mask lets through."""
-    from tools.capture import _attention_flops
+    from tools.roofline import attention_formulas
     aten = torch.ops.aten
-    formulas = _attention_flops()
+    formulas = attention_formulas()
     q = torch.randn(1, 4, 256, 64)
     flash, efficient = formulas[aten._scaled_dot_product_flash_attention], formulas[aten._scaled_dot_product_efficient_attention]
     full = flash(q, q, q, 0.0, False)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
+from tools import roofline
 from tools.fingerprint import instance_fingerprint
 from tools.fixed_answer import FIXED_INTS_NOTE, fresh_draws, rewrites_reason, rewrites_when_moved
 from tools.footprint import Admission, DoesNotFit
@@ -61,60 +61,27 @@ def instances_of(model: torch.nn.Module, class_name: str) -> list[str]:
     return [p for p, m in model.named_modules() if type(m).__qualname__ == class_name]
 
 
-def _attention_flops() -> dict:
-    """torch's FLOP formulas for fused attention count every query against every key; a floor
-    must not count work a kernel may skip: a causal call does about half, a masked one the
-    share of keys its mask lets through (a 16k causal prefill otherwise had a floor above what
-    the original itself took, and honest kernels were refused as impossible)."""
-    from torch.utils.flop_counter import flop_registry
-    aten = torch.ops.aten
-    # (op, index of is_causal, index of the additive mask or None) in each op's schema
-    ops = [(aten._scaled_dot_product_flash_attention.default, 4, None),
-           (aten._scaled_dot_product_efficient_attention.default, 6, 3),
-           (aten._scaled_dot_product_cudnn_attention.default, 6, 3)]
-    out = {}
-    for op, causal_at, mask_at in ops:
-        full = flop_registry.get(op.overloadpacket)
-        if full is None:
-            continue
-
-        def formula(*args, out_val=None, _full=full, _c=causal_at, _m=mask_at, **kwargs):
-            flops = _full(*args, out_val=out_val, **kwargs)
-            if (args[_c] if len(args) > _c else kwargs.get("is_causal", False)):
-                return flops // 2
-            mask = args[_m] if _m is not None and len(args) > _m else None
-            if isinstance(mask, torch.Tensor) and mask.numel():
-                return int(flops * float((mask > -float("inf")).float().mean()))
-            return flops
-        formula._get_raw = True  # tensors as they are: the mask's values, not its shape
-        out[op.overloadpacket] = formula
-    return out
-
-
-def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, state: dict, device: torch.device,
+def _floor_ms(region: torch.nn.Module, input_set: dict, outputs: list, device: torch.device,
               ceilings: dict | None, notes: list[str] | None = None) -> float | None:
-    """Lower bound for one call: each input, output and parameter moved once, FLOPs at peak.
-    Best-effort: when FLOPs cannot be counted (torch's counter asserts on some SDPA calls),
-    the floor is the traffic alone, still a lower bound; None when even that fails."""
+    """Lower bound for one call (tools/roofline.py): what its ops touched of each input and weight,
+    its outputs written once, FLOPs at peak. Where FLOPs cannot be counted the floor is the
+    traffic alone, still a lower bound; None when even that fails."""
     if not ceilings:
         return 0.0
-    try:
-        nbytes = sum(t.numel() * t.element_size() for t in tensors_in(input_set))
-        nbytes += sum(t.numel() * t.element_size() for t in outputs if t is not None)
-        nbytes += sum(t.numel() * t.element_size() for t in state.values())
-        traffic_ms = nbytes / (ceilings["bandwidth_gbps"] * 1e9) * 1e3
-    except Exception as e:
-        (notes if notes is not None else []).append(f"roofline floor: unknown ({type(e).__name__}: {str(e)[:120]})")
-        return None
+    notes = notes if notes is not None else []
     try:
         args, kwargs = call_args(input_set, device)
-        counter = FlopCounterMode(display=False, custom_mapping=_attention_flops())
-        with torch.no_grad(), counter:
-            as_called(type(region).forward)(region, *args, **kwargs)  # as the sandbox calls it: no hooks
-        flops = counter.get_total_flops()
+        tracked = [*tensors_in(args), *tensors_in(kwargs), *region.parameters(), *region.buffers()]
+        moved, flops = roofline.measure(lambda: as_called(type(region).forward)(region, *args, **kwargs),
+                                        tracked, notes)  # as the sandbox calls it: no hooks
+        if moved is None:  # every input and weight whole, each storage once (a tied weight is read once)
+            moved = sum(dict(s for t in tracked if (s := roofline.storage(t))).values())
+        moved += sum(t.numel() * t.element_size() for t in outputs if t is not None)
     except Exception as e:
-        (notes if notes is not None else []).append(
-            f"FLOP count: unknown ({type(e).__name__}: {str(e)[:120]}); the floor counts bytes only")
+        notes.append(f"roofline floor: unknown ({type(e).__name__}: {str(e)[:120]})")
+        return None
+    traffic_ms = moved / (ceilings["bandwidth_gbps"] * 1e9) * 1e3
+    if flops is None:
         return traffic_ms
     return max(traffic_ms, flops / (ceilings["matmul_tflops"] * 1e12) * 1e3)
 
@@ -270,7 +237,7 @@ def _freeze_one(loaded: LoadedModel, choice: RegionChoice, folder: Path, device:
             inputs=[TensorSpec.of(f"in{i}", t) for i, t in enumerate(tensors_in(s))],
             outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None],
             baseline_ms=(choice.baseline_ms or {}).get(w.name)))
-    floors = {w.name: _floor_ms(alone, s, outs, state, device, ceilings, notes)
+    floors = {w.name: _floor_ms(alone, s, outs, device, ceilings, notes)
               for w, s, (outs, _) in zip(loaded.workloads, inputs, flat)}
     name = _folder_name(choice.class_name, taken, folder)
     problem = Problem(

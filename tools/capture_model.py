@@ -81,11 +81,10 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
 
 def _model_floor(model: torch.nn.Module, input_set: dict, outputs: list, device: torch.device, ceilings: dict | None,
                  notes: list[str]) -> float | None:
-    """The whole model's roofline floor on one workload (tools/capture.py's, a region's): each
-    weight once, however many modules share it (a tied embedding is read once)."""
-    weights = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    """The whole model's roofline floor on one workload (tools/capture.py's, a region's): what its
+    ops touch of each weight, once however many modules share it (a tied embedding is read once)."""
     with torch.no_grad():
-        return _floor_ms(model, input_set, outputs, {str(k): t for k, t in weights.items()}, device, ceilings, notes)
+        return _floor_ms(model, input_set, outputs, device, ceilings, notes)
 
 
 def _reference_outputs(loaded: LoadedModel, w: WorkloadInputs, device: torch.device) -> tuple[dict, str, list, bool]:
