@@ -54,7 +54,9 @@ def routed_candidate(routes: list[tuple[Problem, str]]) -> Candidate:
 
 def graphed_candidate(routes: list[tuple[Problem, str]]) -> Candidate:
     """The same routed model, captured in a CUDA graph per input shape and replayed with the
-    inputs copied in (a replay that read stale inputs would be wrong, and is judged so)."""
+    inputs copied in (a replay that read stale inputs would be wrong, and is judged so); inputs
+    it writes in place that come at the same address again (a KV cache) are captured on as they
+    are, not copied in and out."""
     source = render_code("kernels/route_model_graphed.py.j2",
                          routes=[{"cls": p.region_class, "source": src} for p, src in routes])
     return Candidate(region="model", source=source, planner="integrate", template="cuda_graph",
