@@ -20,6 +20,7 @@ import torch
 
 from agent.history import CandidateRecord
 from agent.prompting import render_code
+from tools.objects import rebuild
 from tools.problem import Problem, ProblemError
 from tools.runfolder import RunFolder
 
@@ -75,8 +76,14 @@ def worth_it(choices: list[ShapeChoice], single: CandidateRecord | None) -> bool
 
 
 def input_keys(problem: Problem, folder: Path) -> list[str]:
+    """Per input set, the key the dispatcher computes when the region is called with it: objects
+    frozen as markers (transformers' caches, tools/objects.py) are rebuilt first, as the call sees
+    them. A marker is a dict of the cache's tensors, which `_shapes` reads; the Cache object the
+    model passes is neither, and `_shapes` skips it: keyed on the markers, no workload of an
+    attention fed a Cache matched its row, and every call ran the dispatcher's default, the
+    shapes it routes to the original included (H100, transformers' LlamaModel, 2026-12-07)."""
     inputs, _, _ = problem.load_tensors(folder, inputs=True, state=False)
-    return [shape_key(list(s["args"]), dict(s["kwargs"])) for s in inputs]
+    return [shape_key(rebuild(list(s["args"])), rebuild(dict(s["kwargs"]))) for s in inputs]
 
 
 def dispatch_source(choices: list[ShapeChoice], sources: dict[str, str], default: CandidateRecord | None) -> str:
