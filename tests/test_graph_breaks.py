@@ -20,7 +20,6 @@ was routed to the original. Two causes, both here:
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +35,7 @@ from agent.review.ways import composed_candidate
 from tools.capture import RegionChoice, freeze
 from tools.modelfile import load_model
 from tools.objects import rebuild
+from tests.test_composed import _load  # a candidate loaded as the worker loads it
 
 SET = Path(__file__).resolve().parents[1] / "tests" / "problems"
 CLASSES = ("LlamaAttention", "LlamaMLP", "LlamaRMSNorm")
@@ -64,15 +64,6 @@ def _on_decode_only(problem, folder: Path, source: str) -> str:
     keys = input_keys(problem, folder / problem.name)
     choices = [ShapeChoice(w.name, k, winner if w.name == "decode" else None) for w, k in zip(problem.workloads, keys)]
     return dispatch_source(choices, {"winner": source}, winner)
-
-
-def _load(path: Path, source: str):
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as the worker loads a candidate
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_cache_fed_regions_keys_are_the_ones_its_calls_make(llama):

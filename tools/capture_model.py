@@ -56,7 +56,7 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                 outputs=[TensorSpec.of(f"out{i}", t) for i, t in enumerate(outs) if t is not None]))
     model = loaded.model
     floor_notes: list[str] = []
-    floors = {w.name: _model_floor(model, s, r["outputs"], device, ceilings, floor_notes)
+    floors = {w.name: _floor_ms(model, s, r["outputs"], device, ceilings, floor_notes)
               for w, s, r in zip(loaded.workloads, inputs, reference)}
     fixed_ints = _fixed_answer(model, state, versions, inputs[0], device, random)
     constant = _constant([t for r in reference for t in r["outputs"]])
@@ -77,14 +77,6 @@ def freeze_model(loaded: LoadedModel, folder: Path, device: torch.device, tolera
                    "computing; its trials are flagged"] if constant is not None else []) + list(dict.fromkeys(floor_notes)))
     problem.save(Path(folder), inputs, reference, state, seal_root=Path(folder).parent)
     return problem
-
-
-def _model_floor(model: torch.nn.Module, input_set: dict, outputs: list, device: torch.device, ceilings: dict | None,
-                 notes: list[str]) -> float | None:
-    """The whole model's roofline floor on one workload (tools/capture.py's, a region's): what its
-    ops touch of each weight, once however many modules share it (a tied embedding is read once)."""
-    with torch.no_grad():
-        return _floor_ms(model, input_set, outputs, device, ceilings, notes)
 
 
 def _reference_outputs(loaded: LoadedModel, w: WorkloadInputs, device: torch.device) -> tuple[dict, str, list, bool]:
